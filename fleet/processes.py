@@ -1,0 +1,111 @@
+"""Local process supervision: start detached services with pid files and logs, wait for health, stop them.
+
+`make up` / `fleet up` start the platform's services through this module and `make down` stops
+everything recorded under the run dir, so no process is left behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fleet.settings import Settings
+
+
+class StartupFailed(RuntimeError):
+    pass
+
+
+def port_open(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.3)
+        return sock.connect_ex((host, port)) == 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float, what: str, proc: subprocess.Popen | None = None,
+               log_path: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log_path.read_text()[-3000:] if log_path and log_path.exists() else ""
+            raise StartupFailed(f"{what} exited with code {proc.returncode} while starting.\n{tail}")
+        try:
+            if check():
+                return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise StartupFailed(f"{what} was not healthy after {timeout_s:.0f} s" + (f"; see {log_path}" if log_path else ""))
+
+
+def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> subprocess.Popen:
+    """Start a process in its own session (so `stop` can kill its whole group), output to log_path."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, cwd=cwd, start_new_session=True)
+
+
+def record(settings: Settings, name: str, proc: subprocess.Popen, info: dict) -> None:
+    settings.run_dir.mkdir(parents=True, exist_ok=True)
+    (settings.run_dir / f"{name}.json").write_text(json.dumps({"name": name, "pid": proc.pid, **info}))
+
+
+def running(settings: Settings) -> list[dict]:
+    out = []
+    for path in sorted(settings.run_dir.glob("*.json")) if settings.run_dir.exists() else []:
+        info = json.loads(path.read_text())
+        info["alive"] = pid_alive(info["pid"])
+        out.append(info)
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    except OSError:
+        return False
+
+
+def stop_pid(pid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is left after the grace period."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and pid_alive(pid):
+            time.sleep(0.1)
+        if not pid_alive(pid):
+            return
+
+
+def stop(settings: Settings, name: str) -> bool:
+    path = settings.run_dir / f"{name}.json"
+    if not path.exists():
+        return False
+    stop_pid(json.loads(path.read_text())["pid"])
+    path.unlink()
+    return True

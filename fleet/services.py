@@ -1,0 +1,50 @@
+"""How each platform service is started: the exact command lines, used by `fleet up` and by the tests."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from fleet.processes import port_open, spawn, wait_until
+from fleet.settings import Settings
+from fleet.vendor import tansu_binary, triton_env, triton_home
+
+
+def start_tansu(settings: Settings, port: int, log_path: Path) -> subprocess.Popen:
+    """The embedded Kafka-compatible broker; memory storage, so data lives as long as the process."""
+    url = f"tcp://127.0.0.1:{port}"
+    proc = spawn([str(tansu_binary(settings)), "broker", "--listener-url", url, "--advertised-listener-url", url,
+                  "--storage-engine", "memory://tansu/"], log_path)
+    wait_until(lambda: port_open("127.0.0.1", port), 20, "tansu broker", proc, log_path)
+    return proc
+
+
+def replica_ports(base_port: int) -> tuple[int, int, int]:
+    """(http, grpc, metrics) ports of the replica whose block starts at base_port."""
+    return base_port, base_port + 1, base_port + 2
+
+
+def triton_ready(http_port: int) -> bool:
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=1) as resp:
+        return resp.status == 200
+
+
+def start_triton(settings: Settings, repository: Path, base_port: int, log_path: Path,
+                 extra_env: dict[str, str] | None = None, timeout_s: float = 180) -> subprocess.Popen:
+    """One `tritonserver` replica on (http, grpc, metrics) = base_port, +1, +2; waits until ready."""
+    home = triton_home(settings)
+    http, grpc, metrics = replica_ports(base_port)
+    env = triton_env(settings)
+    env.update(extra_env or {})
+    cmd = [str(home / "bin" / "tritonserver"), f"--model-repository={repository}",
+           f"--backend-directory={home / 'backends'}", f"--http-port={http}", f"--grpc-port={grpc}",
+           f"--metrics-port={metrics}", "--allow-sagemaker=false", "--allow-vertex-ai=false",
+           "--exit-timeout-secs=5", "--log-verbose=0", "--strict-readiness=true"]
+    proc = spawn(cmd, log_path, env=env)
+    wait_until(lambda: triton_ready(http), timeout_s, f"tritonserver on {http}", proc, log_path)
+    return proc
+
+
+def python_module_cmd(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]

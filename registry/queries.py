@@ -1,0 +1,197 @@
+"""Registry reads and writes used by the router, build_engines, the autoscaler, the admin UI and `fleet`.
+
+Every write bumps the registry version (routers poll it) and admin changes add an audit row.
+"""
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from registry.schema import (
+    TIERS, Adapter, AuditLog, Caller, ModelVersion, RegistryMeta, Replica, Route, Team, WarmBuffer,
+)
+
+
+class RegistryError(ValueError):
+    """A write the registry refuses; the message names the field and what is allowed."""
+
+
+def hash_api_key(api_key: str) -> str:
+    # Keys are 32 random bytes, so a plain SHA-256 cannot be brute-forced; no salt needed.
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def new_api_key() -> str:
+    return "fk-" + secrets.token_urlsafe(32)
+
+
+def bump_version(session: Session) -> None:
+    session.execute(update(RegistryMeta).where(RegistryMeta.id == 1).values(version=RegistryMeta.version + 1))
+
+
+def registry_version(session: Session) -> int:
+    return session.scalar(select(RegistryMeta.version).where(RegistryMeta.id == 1)) or 0
+
+
+def audit(session: Session, actor: str, action: str, target: str, before: dict | None, after: dict | None) -> None:
+    session.add(AuditLog(actor=actor, action=action, target=target, before=before, after=after))
+
+
+# --- models and routes -------------------------------------------------------------------------
+
+def get_model_version(session: Session, name: str, version: str) -> ModelVersion | None:
+    return session.scalar(select(ModelVersion).where(ModelVersion.name == name, ModelVersion.version == version))
+
+
+def list_model_versions(session: Session) -> list[ModelVersion]:
+    return list(session.scalars(select(ModelVersion).order_by(ModelVersion.name, ModelVersion.version)))
+
+
+def upsert_model_version(session: Session, name: str, version: str, **fields) -> ModelVersion:
+    row = get_model_version(session, name, version)
+    if row is None:
+        row = ModelVersion(name=name, version=version, **fields)
+        session.add(row)
+    else:
+        for key, value in fields.items():
+            setattr(row, key, value)
+    bump_version(session)
+    session.flush()
+    return row
+
+
+def set_model_status(session: Session, name: str, version: str, status: str, reason: str = "") -> None:
+    row = get_model_version(session, name, version)
+    if row is None:
+        raise RegistryError(f"model {name!r} has no version {version!r}")
+    row.status, row.status_reason = status, reason
+    bump_version(session)
+
+
+def routes_for(session: Session, model: str) -> dict[str, int]:
+    rows = session.scalars(select(Route).where(Route.model == model))
+    return {r.version: r.percent for r in rows if r.percent > 0}
+
+
+def all_routes(session: Session) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for r in session.scalars(select(Route)):
+        if r.percent > 0:
+            out.setdefault(r.model, {})[r.version] = r.percent
+    return out
+
+
+def set_routes(session: Session, model: str, split: dict[str, int], actor: str) -> None:
+    """Replace a model's percent split; it must name known versions and sum to 100."""
+    for version, percent in split.items():
+        if not 0 <= percent <= 100:
+            raise RegistryError(f"percent for version {version!r} is {percent}; allowed 0..100")
+        if get_model_version(session, model, version) is None:
+            known = sorted(m.version for m in list_model_versions(session) if m.name == model)
+            raise RegistryError(f"model {model!r} has no version {version!r}; known versions: {known}")
+    if sum(split.values()) != 100:
+        raise RegistryError(f"route percents for {model!r} sum to {sum(split.values())}; they must sum to 100")
+    before = routes_for(session, model)
+    for row in session.scalars(select(Route).where(Route.model == model)):
+        session.delete(row)
+    session.flush()
+    for version, percent in split.items():
+        if percent > 0:
+            session.add(Route(model=model, version=version, percent=percent, pools=[]))
+    audit(session, actor, "set_routes", model, {"routes": before}, {"routes": {v: p for v, p in split.items() if p}})
+    bump_version(session)
+
+
+# --- teams, callers, adapters --------------------------------------------------------------------
+
+def ensure_team(session: Session, name: str) -> Team:
+    team = session.get(Team, name)
+    if team is None:
+        team = Team(name=name)
+        session.add(team)
+        session.flush()
+    return team
+
+
+def create_caller(session: Session, name: str, team: str, *, max_tier: str = "interactive",
+                  token_quota_per_day: int = 10_000_000, api_key: str | None = None) -> str:
+    """Create (or re-key) a caller and return its plaintext API key; only the hash is stored."""
+    if max_tier not in TIERS:
+        raise RegistryError(f"max_tier {max_tier!r} is not one of {list(TIERS)}")
+    ensure_team(session, team)
+    api_key = api_key or new_api_key()
+    caller = session.get(Caller, name)
+    if caller is None:
+        session.add(Caller(name=name, team=team, api_key_hash=hash_api_key(api_key), max_tier=max_tier,
+                           token_quota_per_day=token_quota_per_day, allowed_models=[], allowed_adapters=[]))
+    else:
+        caller.api_key_hash, caller.team, caller.max_tier = hash_api_key(api_key), team, max_tier
+    bump_version(session)
+    return api_key
+
+
+def caller_by_key(session: Session, api_key: str) -> Caller | None:
+    return session.scalar(select(Caller).where(Caller.api_key_hash == hash_api_key(api_key)))
+
+
+def list_callers(session: Session) -> list[Caller]:
+    return list(session.scalars(select(Caller)))
+
+
+def list_adapters(session: Session) -> list[Adapter]:
+    return list(session.scalars(select(Adapter)))
+
+
+# --- replicas ----------------------------------------------------------------------------------------
+
+def upsert_replica(session: Session, replica_id: str, **fields) -> Replica:
+    row = session.get(Replica, replica_id)
+    if row is None:
+        row = Replica(replica_id=replica_id, **fields)
+        session.add(row)
+    else:
+        for key, value in fields.items():
+            setattr(row, key, value)
+    bump_version(session)
+    return row
+
+
+def list_replicas(session: Session, model: str | None = None) -> list[Replica]:
+    stmt = select(Replica).order_by(Replica.replica_id)
+    if model is not None:
+        stmt = stmt.where(Replica.model == model)
+    return list(session.scalars(stmt))
+
+
+def delete_replica(session: Session, replica_id: str) -> None:
+    row = session.get(Replica, replica_id)
+    if row is not None:
+        session.delete(row)
+        bump_version(session)
+
+
+def list_warm_buffers(session: Session) -> list[WarmBuffer]:
+    return list(session.scalars(select(WarmBuffer)))
+
+
+def list_audit(session: Session, limit: int = 100) -> list[AuditLog]:
+    return list(session.scalars(select(AuditLog).order_by(AuditLog.id.desc()).limit(limit)))
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    name: str
+    version: str
+    status: str
+    max_context: int
+    percent: int
+
+
+def model_summaries(session: Session) -> list[ModelSummary]:
+    routes = all_routes(session)
+    return [ModelSummary(m.name, m.version, m.status, m.max_context, routes.get(m.name, {}).get(m.version, 0))
+            for m in list_model_versions(session)]

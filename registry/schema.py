@@ -1,0 +1,121 @@
+"""SQLAlchemy 2 ORM tables of the registry (DESIGN.md §5). Changed only through an Alembic migration."""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import JSON, BigInteger, DateTime, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+MODEL_STATUSES = ("building", "built", "staged", "serving", "draining", "retired", "failed")
+TIERS = ("interactive", "standard", "batch")
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class RegistryMeta(Base):
+    """A single row whose `version` grows on every write: routers poll it to know when to reload."""
+    __tablename__ = "registry_meta"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class ModelVersion(Base):
+    __tablename__ = "models"
+    __table_args__ = (UniqueConstraint("name", "version"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), index=True)
+    version: Mapped[str] = mapped_column(String(64))
+    weights_uri: Mapped[str] = mapped_column(Text, default="")
+    dtype: Mapped[str] = mapped_column(String(16), default="bf16")
+    tensor_parallel: Mapped[int] = mapped_column(Integer, default=1)
+    max_context: Mapped[int] = mapped_column(Integer, default=2048)
+    engine_kind: Mapped[str] = mapped_column(String(32), default="cpu")
+    status: Mapped[str] = mapped_column(String(16), default="building")
+    status_reason: Mapped[str] = mapped_column(Text, default="")
+    repository_path: Mapped[str] = mapped_column(Text, default="")
+    build_info: Mapped[dict] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Route(Base):
+    __tablename__ = "routes"
+    __table_args__ = (UniqueConstraint("model", "version"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), index=True)
+    version: Mapped[str] = mapped_column(String(64))
+    percent: Mapped[int] = mapped_column(Integer)
+    pools: Mapped[list] = mapped_column(JSON, default=list)
+
+
+class Adapter(Base):
+    __tablename__ = "adapters"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    base_model: Mapped[str] = mapped_column(String(128))
+    base_version: Mapped[str] = mapped_column(String(64))
+    uri: Mapped[str] = mapped_column(Text)
+    rank: Mapped[int] = mapped_column(Integer, default=8)
+    owner_team: Mapped[str] = mapped_column(String(128), ForeignKey("teams.name"))
+    status: Mapped[str] = mapped_column(String(16), default="ready")
+
+
+class Team(Base):
+    __tablename__ = "teams"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    cost_center: Mapped[str] = mapped_column(String(64), default="")
+
+
+class Caller(Base):
+    __tablename__ = "callers"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    api_key_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    team: Mapped[str] = mapped_column(String(128), ForeignKey("teams.name"))
+    max_tier: Mapped[str] = mapped_column(String(16), default="interactive")
+    token_quota_per_day: Mapped[int] = mapped_column(BigInteger, default=10_000_000)
+    allowed_models: Mapped[list] = mapped_column(JSON, default=list)  # empty = all
+    allowed_adapters: Mapped[list] = mapped_column(JSON, default=list)  # empty = those of its team
+    region: Mapped[str] = mapped_column(String(32), default="local")
+
+
+class WarmBuffer(Base):
+    __tablename__ = "warm_buffers"
+    __table_args__ = (UniqueConstraint("model", "version"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model: Mapped[str] = mapped_column(String(128))
+    version: Mapped[str] = mapped_column(String(64))
+    min_idle_replicas: Mapped[int] = mapped_column(Integer, default=0)
+    min_replicas: Mapped[int] = mapped_column(Integer, default=1)
+    max_replicas: Mapped[int] = mapped_column(Integer, default=1)
+    slo_ttft_ms_p95: Mapped[int] = mapped_column(Integer, default=500)
+    slo_tokens_per_s: Mapped[int] = mapped_column(Integer, default=40)
+
+
+class Replica(Base):
+    """A running (or starting/draining) Triton replica, written by the actuator that started it."""
+    __tablename__ = "replicas"
+    replica_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), index=True)
+    version: Mapped[str] = mapped_column(String(64))
+    region: Mapped[str] = mapped_column(String(32), default="local")
+    grpc_url: Mapped[str] = mapped_column(String(256))
+    http_url: Mapped[str] = mapped_column(String(256))
+    metrics_url: Mapped[str] = mapped_column(String(256), default="")
+    state: Mapped[str] = mapped_column(String(16), default="starting")  # starting|serving|draining|cordoned|stopped
+    pid: Mapped[int] = mapped_column(Integer, default=0)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class AuditLog(Base):
+    __tablename__ = "audit_log"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(256))
+    before: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    after: Mapped[dict | None] = mapped_column(JSON, nullable=True)

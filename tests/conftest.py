@@ -1,0 +1,79 @@
+"""Shared pytest fixtures: throwaway data dirs, the converted SmolLM2 weights, a real tansu broker,
+real PostgreSQL databases. Every fixture starts real parts; none of them fake a service."""
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fleet.processes import free_port, stop_pid
+from fleet.settings import Settings, load_settings
+from fleet.services import start_tansu
+
+PG_ADMIN_DSN = os.environ.get("FLEET_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fleet-data")
+
+
+@pytest.fixture(scope="session")
+def settings(data_dir: Path) -> Settings:
+    """Settings on a throwaway data dir; vendor binaries and the weights cache stay shared."""
+    os.environ["FLEET_DATA_DIR"] = str(data_dir)
+    return load_settings()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(settings: Settings) -> Path:
+    """SmolLM2-135M-Instruct converted once to bf16 safetensors (cached across runs)."""
+    from build_engines.cpu import convert_checkpoint, smollm2_gguf
+
+    out = settings.cache_dir / "smollm2-135m-bf16"
+    if not (out / "model.safetensors").exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        convert_checkpoint(smollm2_gguf(), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(settings: Settings, data_dir: Path) -> Iterator[str]:
+    """A real tansu (Kafka-protocol) broker on a free port, for the whole session."""
+    port = free_port()
+    proc = start_tansu(settings, port, data_dir / "logs" / f"tansu-{port}.log")
+    yield f"127.0.0.1:{port}"
+    stop_pid(proc.pid)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'registry.sqlite'}"
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh database on the machine's real PostgreSQL, dropped afterwards."""
+    import psycopg
+
+    name = f"fleet_test_{uuid.uuid4().hex[:10]}"
+    try:
+        admin = psycopg.connect(PG_ADMIN_DSN, autocommit=True)
+    except psycopg.OperationalError as exc:
+        pytest.fail(f"PostgreSQL is not reachable at {PG_ADMIN_DSN}: {exc}")
+    admin.execute(f'CREATE DATABASE "{name}"')
+    yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    from registry.db import _engines
+    for url in [u for u in _engines if u.endswith(name)]:
+        _engines.pop(url).dispose()
+    admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest) -> str:
+    """Run a registry test on SQLite and on PostgreSQL."""
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
