@@ -11,4 +11,6 @@ def setup_logging(component: str) -> logging.Logger:
         level=level,
         format=f"%(asctime)s %(levelname)s {component} %(name)s: %(message)s",
     )
+    for noisy in ("alembic", "kafka", "httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     return logging.getLogger(component)

@@ -55,6 +55,8 @@ def alembic_config(db_url: str) -> Config:
 
 
 def migrate(db_url: str, revision: str = "head") -> None:
+    if db_url.startswith("sqlite:///"):
+        Path(db_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     command.upgrade(alembic_config(db_url), revision)
 
 

@@ -15,7 +15,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-        op.create_table('audit_log',
+    op.create_table('audit_log',
     sa.Column('id', sa.Integer(), nullable=False),
     sa.Column('at', sa.DateTime(timezone=True), nullable=False),
     sa.Column('actor', sa.String(length=128), nullable=False),

@@ -1,0 +1,33 @@
+# Two commands: `make up` runs the platform locally, `make test` runs the whole suite.
+# Both install what they need first (idempotent; a stamp file skips work already done).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/install.sh | sha1sum | cut -c1-12)
+
+.PHONY: install up down status test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install.sh
+	PYTHON=$(PYTHON) bash scripts/install.sh
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+up: install
+	$(PY) -m fleet.cli up
+
+down:
+	@if [ -x $(PY) ]; then $(PY) -m fleet.cli down; fi
+
+status: install
+	$(PY) -m fleet.cli status
+
+test: install
+	$(PY) -m pytest -q -rs
+
+bench: install
+	$(PY) -m bench.run_all
+
+clean: down
+	rm -rf .fleet/run .fleet/logs

@@ -1,0 +1,1 @@
+"""Streamlit admin UI: fleet, rollouts, warm buffers, chargeback, capacity."""

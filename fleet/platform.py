@@ -1,0 +1,120 @@
+"""`fleet up` / `fleet down` / `fleet status`: the whole local platform on embedded defaults.
+
+Order of start: registry migration and seed, engine build (cached), Kafka broker (tansu), usage loader,
+one Triton replica, router, admin UI. Each step is skipped when already running, so `up` is re-runnable.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import urllib.request
+
+from rich.console import Console
+from rich.table import Table
+
+from fleet import processes
+from fleet.replicas import ReplicaSpec, start_replica, stop_replica
+from fleet.seed import DEFAULT_MODEL, DEFAULT_VERSION, seed
+from fleet.services import start_tansu
+from fleet.settings import REPO_ROOT, Settings
+from registry.db import migrate
+
+log = logging.getLogger(__name__)
+console = Console()
+
+
+def _alive(settings: Settings, name: str) -> bool:
+    return any(p["name"] == name and p["alive"] for p in processes.running(settings))
+
+
+def _http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=1) as resp:
+        return resp.status == 200
+
+
+def _start(settings: Settings, name: str, cmd: list[str], health, what: str, timeout_s: float = 60,
+           info: dict | None = None) -> None:
+    if _alive(settings, name):
+        console.print(f"  [green]✓[/] {what} already running")
+        return
+    log_path = settings.logs_dir / f"{name}.log"
+    proc = processes.spawn(cmd, log_path, cwd=REPO_ROOT)
+    processes.wait_until(health, timeout_s, what, proc, log_path)
+    processes.record(settings, name, proc, info or {})
+    console.print(f"  [green]✓[/] {what} started (pid {proc.pid}, log {log_path})")
+
+
+def build_default_engine(settings: Settings) -> None:
+    cmd = [sys.executable, "-m", "build_engines.cli", "--model", DEFAULT_MODEL, "--version", DEFAULT_VERSION,
+           "--checkpoint", "smollm2", "--target", "cpu"]
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT)
+
+
+def up(settings: Settings) -> None:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    with console.status("migrating the registry"):
+        migrate(settings.db_url)
+    console.print(f"  [green]✓[/] registry at {settings.db_url}")
+    build_default_engine(settings)
+    api_key, admin_token = seed(settings)
+    if "KAFKA_BOOTSTRAP_SERVERS" not in os.environ and not _alive(settings, "kafka"):
+        proc = start_tansu(settings, settings.kafka_port, settings.logs_dir / "kafka.log")
+        processes.record(settings, "kafka", proc, {"kind": "kafka", "port": settings.kafka_port})
+        console.print(f"  [green]✓[/] Kafka broker (tansu) on {settings.kafka_bootstrap}")
+    _start(settings, "usage-loader", [sys.executable, "-m", "fleet.cli", "usage", "load"],
+           lambda: True, "usage loader (Kafka -> DuckDB)", info={"kind": "loader"})
+    with console.status("starting the Triton replica (loads the model)"):
+        start_replica(settings, ReplicaSpec(DEFAULT_MODEL, DEFAULT_VERSION, 0))
+    console.print("  [green]✓[/] Triton replica serving ensemble `llm`")
+    _start(settings, "router", [sys.executable, "-m", "router_service"],
+           lambda: _http_ok(f"{settings.router_http_url}/health"), "router", info={"kind": "router"})
+    ui = f"http://127.0.0.1:{settings.admin_ui_port}"
+    _start(settings, "admin-ui", [sys.executable, "-m", "streamlit", "run", str(REPO_ROOT / "admin_ui" / "app.py"),
+                                  "--server.port", str(settings.admin_ui_port), "--server.address", "127.0.0.1",
+                                  "--server.headless", "true", "--browser.gatherUsageStats", "false"],
+           lambda: _http_ok(f"{ui}/_stcore/health"), "admin UI", timeout_s=90, info={"kind": "ui"})
+    print_endpoints(settings, api_key)
+
+
+def print_endpoints(settings: Settings, api_key: str) -> None:
+    grpc_url, http_url = settings.router_grpc_url, settings.router_http_url
+    console.print(f"""
+[bold]The platform is up.[/]
+  router gRPC (KServe v2)  {grpc_url}
+  router HTTP (OpenAI)     {http_url}/v1   (metrics: {http_url}/metrics)
+  admin UI                 http://127.0.0.1:{settings.admin_ui_port}   (token in {settings.admin_token_file})
+  Kafka                    {settings.kafka_bootstrap}   topic {settings.usage_topic}
+  API key                  {api_key}   (also in {settings.dev_api_key_file})
+
+[bold]Try it:[/]
+curl -N {http_url}/v1/chat/completions -H "Authorization: Bearer $(cat {settings.dev_api_key_file})" \\
+  -H 'Content-Type: application/json' \\
+  -d '{{"model": "{DEFAULT_MODEL}", "stream": true, "max_tokens": 32, "temperature": 0,
+       "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
+
+.venv/bin/python examples/triton_client.py --url {grpc_url} "What is the capital of France?"
+""", highlight=False, soft_wrap=True)
+
+
+def down(settings: Settings) -> None:
+    # router first so no new work reaches replicas, broker last so the loader can drain
+    order = {"admin-ui": 0, "router": 1, "usage-loader": 3, "kafka": 4}
+    for info in sorted(processes.running(settings), key=lambda p: order.get(p["name"], 2)):
+        if info.get("kind") == "replica":
+            stop_replica(settings, info["replica_id"])
+        else:
+            processes.stop(settings, info["name"])
+        console.print(f"  stopped {info['name']} (pid {info['pid']})")
+    console.print("[green]all platform processes stopped[/]")
+
+
+def status(settings: Settings) -> None:
+    table = Table(title=f"fleet processes ({settings.run_dir})")
+    for col in ("name", "pid", "alive", "details"):
+        table.add_column(col)
+    for info in processes.running(settings):
+        details = ", ".join(f"{k}={v}" for k, v in info.items() if k not in ("name", "pid", "alive"))
+        table.add_row(info["name"], str(info["pid"]), "[green]yes[/]" if info["alive"] else "[red]no[/]", details)
+    console.print(table)

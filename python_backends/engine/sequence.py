@@ -1,0 +1,120 @@
+"""A request's life inside the engine: its sampling parameters, tokens, KV blocks and status.
+
+A sequence's token list is prompt + generated tokens; `num_computed` counts tokens whose K/V sit in the pool.
+Preemption by recompute just frees the blocks and resets `num_computed` to 0: the generated tokens stay, so
+the resumed sequence re-prefills prompt + output and continues exactly where it stopped (same ids, since
+sampling state - the per-request generator - is kept on the sequence).
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Priority(enum.IntEnum):
+    INTERACTIVE = 0
+    STANDARD = 1
+    BATCH = 2
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    ERROR = "error"
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0     # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0               # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+_ids = itertools.count(1)
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, priority: int = Priority.STANDARD,
+                 deadline_ms: int = 0, lora_name: str = "", request_id: object = None):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.token_ids = list(prompt_ids)
+        self.params = params
+        self.priority = int(priority)
+        self.deadline_ms = int(deadline_ms or 0)
+        self.lora_name = lora_name or ""
+        self.lora_slot = -1
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_computed = 0            # tokens with K/V in the pool
+        self.num_cached_prompt = 0       # prompt tokens served from the prefix cache (first admission)
+        self.counted_cache = False
+        self.block_hashes: list[int] = []   # chain hashes of full prompt blocks (computed once)
+        self.num_hashed_blocks = 0       # leading blocks of block_table registered in the prefix cache
+        self.finish_reason: FinishReason | None = None
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.admitted_at: float | None = None
+        self.preemptions = 0
+        self.num_emitted = 0             # output tokens already handed to the caller
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(
+                __import__("os").urandom(8), "little") & ((1 << 63) - 1))
+
+    # ------------------------------------------------------------------ views
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while tokens other than the last sampled one still lack K/V."""
+        return self.num_computed < self.num_tokens - 1 or self.num_computed == 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def sort_key(self) -> tuple:
+        """Admission order: priority, then deadline (none = last), then arrival."""
+        return (self.priority, self.deadline_ms or float("inf"), self.arrival, self.seq_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, prio={self.priority}, prompt={self.num_prompt}, out={self.num_output}, "
+                f"computed={self.num_computed}, blocks={len(self.block_table)}, {self.status.value})")

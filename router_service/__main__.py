@@ -1,0 +1,81 @@
+"""Run the router: `python -m router_service` (KServe gRPC + OpenAI/admin HTTP in one asyncio process)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+
+import uvicorn
+
+from fleet.logs import setup_logging
+from fleet.settings import load_settings
+from router_service.core import Router
+from router_service.grpc_frontend import start_grpc_server
+from router_service.http_frontend import create_app
+from router_service.registry_cache import RegistryCache
+from usage.producer import UsageProducer
+
+
+def parse_args() -> argparse.Namespace:
+    s = load_settings()
+    ap = argparse.ArgumentParser(prog="python -m router_service",
+                                 description="The platform's front door: authenticates callers, picks model version "
+                                             "and replica, streams tokens, meters usage.")
+    ap.add_argument("--host", default=s.router_host, help="listen address (default %(default)s)")
+    ap.add_argument("--http-port", type=int, default=s.router_http_port, help="OpenAI/admin/metrics HTTP port")
+    ap.add_argument("--grpc-port", type=int, default=s.router_grpc_port, help="KServe v2 gRPC port")
+    ap.add_argument("--db-url", default=s.db_url, help="registry database URL (FLEET_DB_URL)")
+    ap.add_argument("--kafka", default=s.kafka_bootstrap, help="Kafka bootstrap servers for usage events")
+    ap.add_argument("--no-usage", action="store_true", help="do not meter usage (benchmarks only)")
+    return ap.parse_args()
+
+
+def admin_token() -> str:
+    s = load_settings()
+    token = os.environ.get("FLEET_ADMIN_TOKEN")
+    if token:
+        return token
+    if s.admin_token_file.exists():
+        return s.admin_token_file.read_text().strip()
+    raise SystemExit(f"no admin token: set FLEET_ADMIN_TOKEN or create {s.admin_token_file} (`fleet seed` does)")
+
+
+async def serve(args: argparse.Namespace) -> None:
+    log = setup_logging("router")
+    settings = load_settings()
+    registry = RegistryCache(args.db_url)
+    producer = None if args.no_usage else UsageProducer(args.kafka, settings.spool_dir / "router", settings.usage_topic)
+    if producer is not None:
+        producer.start()
+    router = Router(registry, producer, region=settings.region)
+    grpc_server = await start_grpc_server(router, args.host, args.grpc_port)
+    config = uvicorn.Config(create_app(router, admin_token()), host=args.host, port=args.http_port,
+                            log_level="warning", lifespan="off")
+    http_server = uvicorn.Server(config)
+    http_server.install_signal_handlers = lambda: None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(registry.watch())
+    http_task = asyncio.create_task(http_server.serve())
+    log.info("router serving gRPC on %s:%d and HTTP on %s:%d (registry version %d)", args.host, args.grpc_port,
+             args.host, args.http_port, registry.snapshot.version)
+    await stop.wait()
+    log.info("router stopping")
+    http_server.should_exit = True
+    await grpc_server.stop(grace=5)
+    await http_task
+    watcher.cancel()
+    await router.close()
+    if producer is not None:
+        producer.close()
+
+
+def main() -> None:
+    asyncio.run(serve(parse_args()))
+
+
+if __name__ == "__main__":
+    main()

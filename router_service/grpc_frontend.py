@@ -1,0 +1,142 @@
+"""KServe v2 gRPC frontend: stock `tritonclient.grpc` works against the router as against Triton.
+
+Model names are registry model names (e.g. `smollm2-135m`); `model_version` picks a version explicitly,
+otherwise the rollout split does. Caller errors end the call with the matching gRPC status.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from router_service.core import Router
+from router_service.errors import RouterError
+from router_service.kserve_codec import decode_request, encode_response, merge_responses
+
+log = logging.getLogger(__name__)
+SERVER_NAME = "llm-fleet-router"
+SERVER_VERSION = "0.1.0"
+
+
+def _api_key(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key.lower() == "authorization" and value.lower().startswith("bearer "):
+            return value[7:].strip()
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
+    if exc.retry_after_ms is not None:
+        context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
+    await context.abort(exc.grpc_status, exc.message)
+
+
+class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=True)
+
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=["streaming"])
+
+    async def ModelReady(self, request, context):
+        versions = self.router.registry.snapshot.models.get(request.name, {})
+        ok = bool(versions) and (not request.version or request.version in versions)
+        return pb.ModelReadyResponse(ready=ok)
+
+    async def ModelMetadata(self, request, context):
+        versions = self.router.registry.snapshot.models.get(request.name)
+        if not versions:
+            known = ", ".join(sorted(self.router.registry.snapshot.models)) or "none"
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.name!r} is not served; known: {known}")
+        T = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=request.name, versions=sorted(versions), platform="llm-fleet",
+            inputs=[T(name="text_input", datatype="BYTES", shape=[1]), T(name="input_ids", datatype="INT32", shape=[-1]),
+                    T(name="max_tokens", datatype="INT32", shape=[1]), T(name="temperature", datatype="FP32", shape=[1]),
+                    T(name="top_p", datatype="FP32", shape=[1]), T(name="top_k", datatype="INT32", shape=[1]),
+                    T(name="random_seed", datatype="UINT64", shape=[1]), T(name="stop_words", datatype="BYTES", shape=[-1]),
+                    T(name="lora_name", datatype="BYTES", shape=[1]), T(name="stream", datatype="BOOL", shape=[1])],
+            outputs=[T(name="text_output", datatype="BYTES", shape=[1]), T(name="output_ids", datatype="INT32", shape=[-1]),
+                     T(name="finish_reason", datatype="BYTES", shape=[1]), T(name="usage", datatype="INT32", shape=[3])])
+
+    async def RepositoryIndex(self, request, context):
+        snap = self.router.registry.snapshot
+        out = pb.RepositoryIndexResponse()
+        for name, versions in sorted(snap.models.items()):
+            for version, info in sorted(versions.items()):
+                pct = snap.routes.get(name, {}).get(version, 0)
+                out.models.add(name=name, version=version, state="READY" if info.status == "serving" else info.status.upper(),
+                               reason=f"max_context={info.max_context} route={pct}% tiers=interactive,standard,batch")
+        return out
+
+    async def _run(self, request: pb.ModelInferRequest, api_key: str | None):
+        caller = self.router.authenticate(api_key)
+        prepared = await self.router.prepare(caller, decode_request(request))
+        return prepared
+
+    async def ModelInfer(self, request, context):
+        try:
+            prepared = await self._run(request, _api_key(context))
+            items = [item async for item in self.router.stream(prepared)]
+        except RouterError as exc:
+            await _abort(context, exc)
+        return merge_responses(prepared.req, prepared.model.version, items)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        """Each request on the stream runs concurrently; responses are interleaved as they come."""
+        api_key = _api_key(context)
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+
+        async def run_one(request: pb.ModelInferRequest) -> None:
+            try:
+                prepared = await self._run(request, api_key)
+                async for item in self.router.stream(prepared):
+                    await queue.put(pb.ModelStreamInferResponse(
+                        infer_response=encode_response(prepared.req, prepared.model.version, item)))
+            except RouterError as exc:
+                await queue.put(exc)
+            except Exception as exc:
+                log.exception("stream request failed")
+                await queue.put(RouterError("internal", f"internal error: {exc}"))
+
+        async def read_requests() -> None:
+            async for request in request_iterator:
+                task = asyncio.create_task(run_one(request))
+                tasks.add(task)
+                task.add_done_callback(lambda t: (tasks.discard(t), queue.put_nowait(None)))
+            await queue.put("eof")
+
+        reader = asyncio.create_task(read_requests())
+        client_done = False
+        try:
+            while not (client_done and not tasks):
+                item = await queue.get()
+                if item == "eof":
+                    client_done = True
+                elif isinstance(item, RouterError):
+                    await _abort(context, item)
+                elif item is not None:
+                    yield item
+        finally:  # caller went away or aborted: cancel upstream work so replicas free KV blocks
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+
+async def start_grpc_server(router: Router, host: str, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024),
+                                      ("grpc.max_send_message_length", 16 * 1024 * 1024)])
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(router), server)
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server

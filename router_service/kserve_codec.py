@@ -1,0 +1,175 @@
+"""KServe v2 protobuf <-> router types: decode a ModelInferRequest into a GenerateRequest and
+encode streamed deltas as ModelInferResponses (tensor names of DESIGN.md §4)."""
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor, triton_to_np_dtype
+
+from router_service.errors import RouterError, invalid
+from router_service.request import TIERS, Finished, GenerateRequest, TokenDelta
+
+# input name -> (allowed datatypes, scalar?)
+INPUTS = {
+    "text_input": ({"BYTES"}, True), "input_ids": ({"INT32", "INT64"}, False),
+    "max_tokens": ({"INT32", "INT64", "UINT32", "UINT64"}, True), "temperature": ({"FP32", "FP64"}, True),
+    "top_p": ({"FP32", "FP64"}, True), "top_k": ({"INT32", "INT64", "UINT32", "UINT64"}, True),
+    "random_seed": ({"UINT64", "INT64", "INT32", "UINT32"}, True), "stop_words": ({"BYTES"}, False),
+    "lora_name": ({"BYTES"}, True), "stream": ({"BOOL"}, True),
+}
+PARAMETERS = {"priority", "tier", "deadline_ms", "adapter", "session", "cache_hint", "version",
+              "triton_enable_empty_final_response"}
+_CONTENTS_FIELD = {"BYTES": "bytes_contents", "BOOL": "bool_contents", "FP32": "fp32_contents",
+                   "FP64": "fp64_contents", "INT32": "int_contents", "INT64": "int64_contents",
+                   "UINT32": "uint_contents", "UINT64": "uint64_contents"}
+
+
+def _param_value(p: pb.InferParameter):
+    return getattr(p, p.WhichOneof("parameter_choice")) if p.WhichOneof("parameter_choice") else None
+
+
+def _tensor(request: pb.ModelInferRequest, index: int) -> np.ndarray:
+    inp = request.inputs[index]
+    allowed, scalar = INPUTS[inp.name]
+    if inp.datatype not in allowed:
+        raise invalid(inp.name, f"datatype {inp.datatype} is not allowed; use {' or '.join(sorted(allowed))}")
+    count = int(np.prod(inp.shape)) if len(inp.shape) else 1
+    if scalar and count != 1:
+        raise invalid(inp.name, f"shape {list(inp.shape)} must hold exactly one element")
+    try:
+        if request.raw_input_contents:
+            raw = request.raw_input_contents[index]
+            if inp.datatype == "BYTES":
+                arr = deserialize_bytes_tensor(raw)
+            else:
+                arr = np.frombuffer(raw, dtype=triton_to_np_dtype(inp.datatype))
+        else:
+            arr = np.array(list(getattr(inp.contents, _CONTENTS_FIELD[inp.datatype])),
+                           dtype=object if inp.datatype == "BYTES" else triton_to_np_dtype(inp.datatype))
+    except Exception as exc:
+        raise invalid(inp.name, f"tensor data could not be decoded ({exc})") from exc
+    if arr.size != count:
+        raise invalid(inp.name, f"shape {list(inp.shape)} says {count} elements but the data holds {arr.size}")
+    return arr.reshape(-1)
+
+
+def _text(value, field: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise invalid(field, f"is not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+    return str(value)
+
+
+def decode_request(request: pb.ModelInferRequest) -> GenerateRequest:
+    tensors: dict[str, np.ndarray] = {}
+    for i, inp in enumerate(request.inputs):
+        if inp.name not in INPUTS:
+            raise invalid(inp.name, f"unknown input; allowed inputs: {', '.join(INPUTS)}")
+        tensors[inp.name] = _tensor(request, i)
+    params = {k: _param_value(v) for k, v in request.parameters.items()}
+    unknown = set(params) - PARAMETERS
+    if unknown:
+        raise invalid(sorted(unknown)[0], f"unknown request parameter; allowed: {', '.join(sorted(PARAMETERS))}")
+    if ("text_input" in tensors) == ("input_ids" in tensors):
+        raise invalid("text_input", "send exactly one of text_input (BYTES[1]) or input_ids (INT32[-1])")
+    req = GenerateRequest(request_id=request.id or uuid.uuid4().hex, model=request.model_name,
+                          version=request.model_version or (str(params["version"]) if params.get("version") else None))
+    if "text_input" in tensors:
+        req.prompt_text = _text(tensors["text_input"][0], "text_input")
+        if not req.prompt_text.strip():
+            raise invalid("text_input", "the prompt is empty")
+    else:
+        req.prompt_ids = [int(x) for x in tensors["input_ids"]]
+    if "max_tokens" in tensors:
+        req.max_tokens = int(tensors["max_tokens"][0])
+    if "temperature" in tensors:
+        req.temperature = float(tensors["temperature"][0])
+    if "top_p" in tensors:
+        req.top_p = float(tensors["top_p"][0])
+    if "top_k" in tensors:
+        req.top_k = int(tensors["top_k"][0])
+    if "random_seed" in tensors:
+        req.seed = int(tensors["random_seed"][0])
+    if "stop_words" in tensors:
+        req.stop = [_text(s, "stop_words") for s in tensors["stop_words"]]
+    if "lora_name" in tensors:
+        req.adapter = _text(tensors["lora_name"][0], "lora_name")
+    req.adapter = str(params.get("adapter") or req.adapter)
+    req.tier = tier_from_param(params.get("tier", params.get("priority")))
+    if params.get("deadline_ms") is not None:
+        req.deadline_ms = deadline_from_param(params["deadline_ms"])
+    req.session = str(params.get("session") or "")
+    return req
+
+
+def tier_from_param(value) -> str:
+    """`priority`/`tier` as a tier name, or as an integer 0 interactive, 1 standard, 2 batch."""
+    if value is None or value == "":
+        return "standard"
+    if isinstance(value, str) and not value.isdigit():
+        if value not in TIERS:
+            raise invalid("priority", f"{value!r} is not a tier; allowed: {', '.join(TIERS)} (or 0, 1, 2)")
+        return value
+    index = int(value)
+    if not 0 <= index < len(TIERS):
+        raise invalid("priority", f"{index} is out of range; allowed: 0 interactive, 1 standard, 2 batch")
+    return TIERS[index]
+
+
+def deadline_from_param(value) -> int:
+    """deadline_ms: absolute unix epoch milliseconds; values below 10^12 are read as relative ms from now."""
+    import time
+    try:
+        ms = int(value)
+    except (TypeError, ValueError) as exc:
+        raise invalid("deadline_ms", f"must be an integer number of milliseconds, got {value!r}") from exc
+    if ms <= 0:
+        raise invalid("deadline_ms", f"must be positive, got {ms}")
+    now_ms = int(time.time() * 1000)
+    absolute = ms if ms >= 10**12 else now_ms + ms
+    if absolute > now_ms + 7 * 24 * 3600 * 1000:
+        raise invalid("deadline_ms", "is more than 7 days away")
+    return absolute
+
+
+def _bytes_tensor(values: list[bytes]) -> bytes:
+    return serialize_byte_tensor(np.array(values, dtype=np.object_)).item()
+
+
+def encode_response(req: GenerateRequest, version: str, item: TokenDelta | Finished) -> pb.ModelInferResponse:
+    if isinstance(item, TokenDelta):
+        text, ids, reason, usage = item.text, item.token_ids, "", [0, 0, 0]
+    else:
+        text, ids, reason = "", [], item.finish_reason
+        usage = [item.prompt_tokens, item.cached_prompt_tokens, item.completion_tokens]
+    resp = pb.ModelInferResponse(model_name=req.model, model_version=version, id=req.request_id)
+    for name, dtype, shape, raw in (
+        ("text_output", "BYTES", [1], _bytes_tensor([text.encode()])),
+        ("output_ids", "INT32", [len(ids)], np.array(ids, dtype=np.int32).tobytes()),
+        ("finish_reason", "BYTES", [1], _bytes_tensor([reason.encode()])),
+        ("usage", "INT32", [3], np.array(usage, dtype=np.int32).tobytes()),
+    ):
+        resp.outputs.add(name=name, datatype=dtype, shape=shape)
+        resp.raw_output_contents.append(raw)
+    if isinstance(item, Finished):
+        resp.parameters["triton_final_response"].bool_param = True
+    return resp
+
+
+def merge_responses(req: GenerateRequest, version: str, items: list[TokenDelta | Finished]) -> pb.ModelInferResponse:
+    """Unary inference: the whole completion as one response."""
+    text = "".join(i.text for i in items if isinstance(i, TokenDelta))
+    ids = [t for i in items if isinstance(i, TokenDelta) for t in i.token_ids]
+    final = next((i for i in items if isinstance(i, Finished)), None)
+    if final is None:
+        raise RouterError("internal", "generation ended without a final response")
+    resp = encode_response(req, version, final)
+    resp.raw_output_contents[0] = _bytes_tensor([text.encode()])
+    resp.outputs[1].shape[:] = [len(ids)]
+    resp.raw_output_contents[1] = np.array(ids, dtype=np.int32).tobytes()
+    del resp.parameters["triton_final_response"]
+    return resp

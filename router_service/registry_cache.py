@@ -1,0 +1,107 @@
+"""The router's in-memory copy of the registry, reloaded whenever the registry version moves.
+
+Reads are lock-free (a whole new snapshot replaces the old one), so the request path never
+touches the database; a background task polls the version about every half second.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from registry import queries
+from registry.db import session_scope
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    version: str
+    status: str
+    max_context: int
+    weights_uri: str
+
+
+@dataclass(frozen=True)
+class CallerInfo:
+    name: str
+    team: str
+    max_tier: str
+    token_quota_per_day: int
+    allowed_models: tuple[str, ...]
+    allowed_adapters: tuple[str, ...]
+    region: str
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    replica_id: str
+    model: str
+    version: str
+    region: str
+    grpc_url: str
+    http_url: str
+    state: str
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    base_model: str
+    owner_team: str
+
+
+@dataclass
+class Snapshot:
+    version: int = 0
+    models: dict[str, dict[str, ModelInfo]] = field(default_factory=dict)
+    routes: dict[str, dict[str, int]] = field(default_factory=dict)
+    callers_by_hash: dict[str, CallerInfo] = field(default_factory=dict)
+    replicas: list[ReplicaInfo] = field(default_factory=list)
+    adapters: dict[str, AdapterInfo] = field(default_factory=dict)
+
+
+def load_snapshot(db_url: str) -> Snapshot:
+    snap = Snapshot()
+    with session_scope(db_url) as s:
+        snap.version = queries.registry_version(s)
+        for m in queries.list_model_versions(s):
+            snap.models.setdefault(m.name, {})[m.version] = ModelInfo(m.name, m.version, m.status, m.max_context,
+                                                                      m.weights_uri)
+        snap.routes = queries.all_routes(s)
+        for c in queries.list_callers(s):
+            snap.callers_by_hash[c.api_key_hash] = CallerInfo(
+                c.name, c.team, c.max_tier, c.token_quota_per_day, tuple(c.allowed_models or ()),
+                tuple(c.allowed_adapters or ()), c.region)
+        snap.replicas = [ReplicaInfo(r.replica_id, r.model, r.version, r.region, r.grpc_url, r.http_url, r.state)
+                         for r in queries.list_replicas(s)]
+        snap.adapters = {a.name: AdapterInfo(a.name, a.base_model, a.owner_team) for a in queries.list_adapters(s)}
+    return snap
+
+
+class RegistryCache:
+    def __init__(self, db_url: str, poll_s: float = 0.5) -> None:
+        self.db_url = db_url
+        self.poll_s = poll_s
+        self.snapshot = load_snapshot(db_url)
+
+    def caller_for_key(self, api_key: str) -> CallerInfo | None:
+        return self.snapshot.callers_by_hash.get(queries.hash_api_key(api_key))
+
+    async def watch(self) -> None:
+        """Reload on every registry version change; a failing database keeps the last good snapshot."""
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                current = await asyncio.to_thread(self._current_version)
+                if current != self.snapshot.version:
+                    self.snapshot = await asyncio.to_thread(load_snapshot, self.db_url)
+                    log.info("registry reloaded at version %d", self.snapshot.version)
+            except Exception as exc:  # the router keeps serving from its last snapshot
+                log.warning("registry poll failed: %s", exc)
+
+    def _current_version(self) -> int:
+        with session_scope(self.db_url) as s:
+            return queries.registry_version(s)

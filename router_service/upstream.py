@@ -1,0 +1,96 @@
+"""Streaming calls from the router to one Triton replica's decoupled ensemble `llm` (DESIGN.md §4)."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.utils import InferenceServerException
+
+from router_service.request import TIER_INDEX, Finished, GenerateRequest, TokenDelta
+
+ENSEMBLE = "llm"
+OUTPUTS = ("text_output", "output_ids", "finish_reason", "usage")
+
+
+class ReplicaFailed(Exception):
+    """The replica broke the stream (died, refused, or returned an error)."""
+
+
+def _input(name: str, array: np.ndarray, dtype: str) -> InferInput:
+    tensor = InferInput(name, list(array.shape), dtype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def build_inputs(req: GenerateRequest, prompt_ids: list[int], max_tokens: int) -> list[InferInput]:
+    inputs = [
+        _input("input_ids", np.array(prompt_ids, dtype=np.int32), "INT32"),
+        _input("max_tokens", np.array([max_tokens], dtype=np.int32), "INT32"),
+        _input("temperature", np.array([req.temperature], dtype=np.float32), "FP32"),
+        _input("top_p", np.array([req.top_p], dtype=np.float32), "FP32"),
+        _input("top_k", np.array([req.top_k], dtype=np.int32), "INT32"),
+        _input("lora_name", np.array([req.adapter.encode()], dtype=np.object_), "BYTES"),
+    ]
+    if req.seed is not None:
+        inputs.append(_input("random_seed", np.array([req.seed], dtype=np.uint64), "UINT64"))
+    if req.stop:
+        inputs.append(_input("stop_words", np.array([s.encode() for s in req.stop], dtype=np.object_), "BYTES"))
+    return inputs
+
+
+class ReplicaClient:
+    """One long-lived gRPC channel per replica; each request is its own bidirectional stream."""
+
+    def __init__(self, replica_id: str, grpc_url: str) -> None:
+        self.replica_id = replica_id
+        self.client = grpcclient.InferenceServerClient(grpc_url)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def generate(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int
+                       ) -> AsyncIterator[TokenDelta | Finished]:
+        """Stream deltas then one Finished; raises ReplicaFailed if the replica breaks the stream.
+
+        Closing this generator early (caller cancel) cancels the upstream call, so the engine frees the
+        sequence's KV blocks at once.
+        """
+        done = asyncio.Event()
+
+        async def requests():
+            yield {
+                "model_name": ENSEMBLE,
+                "inputs": build_inputs(req, prompt_ids, max_tokens),
+                "outputs": [InferRequestedOutput(name) for name in OUTPUTS],
+                "request_id": req.request_id,
+                "parameters": {"llm_priority": TIER_INDEX[req.tier], "deadline_ms": int(req.deadline_ms or 0)},
+            }
+            await done.wait()  # keep our side open until the replica has sent its last response
+
+        stream = self.client.stream_infer(requests())
+        finished = False
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    raise ReplicaFailed(str(error))
+                text = result.as_numpy("text_output").reshape(-1)[0].decode("utf-8")
+                ids = result.as_numpy("output_ids").reshape(-1).tolist()
+                reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
+                if text or ids:
+                    yield TokenDelta(text, ids)
+                if reason:
+                    usage = result.as_numpy("usage").reshape(-1).tolist()
+                    finished = True
+                    yield Finished(reason, int(usage[0]), int(usage[1]), int(usage[2]), model="", version="",
+                                   replica_id=self.replica_id)
+                    return
+            raise ReplicaFailed("stream ended without a final response")
+        except InferenceServerException as exc:
+            raise ReplicaFailed(str(exc)) from exc
+        finally:
+            done.set()
+            if not finished:
+                stream.cancel()

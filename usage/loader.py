@@ -1,0 +1,257 @@
+"""Usage loader: Kafka consumer group -> validated, de-duplicated rows in the DuckDB store.
+
+One batch = poll (up to `batch_max` records or `max_wait_s`) -> validate -> one DuckDB transaction
+(INSERT OR IGNORE on request_id, plus the rejects) -> dead-letter sends flushed -> offsets committed.
+Offsets are committed only after the write, so a crash at any point re-delivers at most the last batch,
+and the primary key on request_id turns that redelivery (and any producer resend) into no-ops:
+no loss, no duplicate rows.
+
+Bad events (invalid JSON, schema violations, negative tokens, cached > prompt tokens, unknown caller
+when a caller set is given) go to the dead-letter topic with the reason, are recorded in
+`usage_rejects` and counted in `stats`, and never stop the loader.
+
+Run: `fleet usage load` or `python -m usage.loader --help`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+from pydantic import ValidationError
+
+from usage import store
+from usage.events import UsageEvent
+from usage.kafka_io import ensure_topics, make_consumer, make_producer
+
+log = logging.getLogger(__name__)
+
+CALLER_REFRESH_S = 30.0
+CALLER_MISS_REFRESH_S = 5.0  # a caller created a moment ago: refresh early rather than reject it
+
+
+def registry_callers(db_url: str) -> Callable[[], set[str]]:
+    """Known callers from the model registry (for `known_callers`)."""
+    def load() -> set[str]:
+        from registry.db import session_scope
+        from registry.queries import list_callers
+        with session_scope(db_url) as session:
+            return {c.name for c in list_callers(session)}
+    return load
+
+
+def _reason(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "event"
+        parts.append(f"{loc}: {err.get('msg')}")
+    return "; ".join(parts)
+
+
+class UsageLoader:
+    def __init__(self, bootstrap_servers: str, store_path: Path, topic: str = "llm.usage.v1",
+                 group_id: str = "usage-loader", dlq_topic: str = "llm.usage.v1.dlq",
+                 known_callers: Callable[[], set[str]] | None = None, batch_max: int = 50_000) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.store_path = Path(store_path)
+        self.topic, self.group_id, self.dlq_topic = topic, group_id, dlq_topic
+        self.batch_max = batch_max
+        self._known_callers_fn = known_callers
+        self._callers: set[str] = set()
+        self._callers_at = 0.0
+        self._consumer = None
+        self._dlq = None
+        self.stats = {"batches": 0, "consumed": 0, "inserted": 0, "duplicates": 0, "rejected": 0, "errors": 0}
+
+    # ---- one batch ------------------------------------------------------------------------------
+    def run_once(self, max_wait_s: float = 1.0) -> int:
+        """Poll one batch, store it, commit its offsets. Returns the number of records consumed."""
+        consumer = self._ensure_consumer()
+        records = []
+        deadline = time.monotonic() + max_wait_s
+        while len(records) < self.batch_max:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            # Once something arrived, only top the batch up with what is already there.
+            timeout = left if not records else min(left, 0.05)
+            polled = consumer.poll(timeout_ms=int(timeout * 1000), max_records=self.batch_max - len(records))
+            got = [r for part in polled.values() for r in part]
+            if not got and records:
+                break
+            records.extend(got)
+        if not records:
+            return 0
+        rows, rejects = self._validate(records)
+        with store.connect(self.store_path) as con:
+            con.execute("BEGIN")
+            inserted = store.insert_events(con, pd.DataFrame.from_records(rows, columns=store.EVENT_COLUMNS)
+                                           if rows else pd.DataFrame())
+            store.insert_rejects(con, [(rid, reason, raw) for rid, reason, raw, _ in rejects])
+            con.execute("COMMIT")
+        self._fault("after_write")
+        if rejects:
+            self._send_dead_letters(rejects)
+        consumer.commit()  # only now: a crash before this line re-delivers the batch, which dedups
+        self.stats["batches"] += 1
+        self.stats["consumed"] += len(records)
+        self.stats["inserted"] += inserted
+        self.stats["duplicates"] += len(rows) - inserted
+        self.stats["rejected"] += len(rejects)
+        return len(records)
+
+    def _validate(self, records) -> tuple[list[tuple], list[tuple[str, str, str, bytes | None]]]:
+        rows: dict[str, tuple] = {}
+        rejects = []
+        callers = self._caller_set()
+        for rec in records:
+            raw: bytes = rec.value or b""
+            reason = None
+            try:
+                ev = UsageEvent.model_validate_json(raw)
+            except ValidationError as exc:
+                reason = _reason(exc)
+            else:
+                if ev.cached_prompt_tokens > ev.prompt_tokens:
+                    reason = "cached_prompt_tokens exceeds prompt_tokens"
+                elif callers is not None and ev.caller not in callers and ev.caller not in self._caller_set(True):
+                    reason = f"unknown caller {ev.caller!r}"
+            if reason is None:
+                d = ev.__dict__
+                rows.setdefault(ev.request_id, tuple(d[c] for c in store.EVENT_COLUMNS))
+            else:
+                rid = f"{rec.topic}/{rec.partition}/{rec.offset}/{zlib.crc32(raw):08x}"
+                rejects.append((rid, reason, raw.decode("utf-8", "replace"), rec.key))
+        return list(rows.values()), rejects
+
+    def _caller_set(self, missed: bool = False) -> set[str] | None:
+        if self._known_callers_fn is None:
+            return None
+        age = time.monotonic() - self._callers_at
+        if age > CALLER_REFRESH_S or (missed and age > CALLER_MISS_REFRESH_S):
+            try:
+                self._callers = set(self._known_callers_fn())
+            except Exception as exc:  # registry briefly down: keep the last known set
+                log.warning("could not refresh known callers: %s", exc)
+            self._callers_at = time.monotonic()
+        return self._callers
+
+    def _send_dead_letters(self, rejects) -> None:
+        if self._dlq is None:
+            self._dlq = make_producer(self.bootstrap_servers, client_id=f"{self.group_id}-dlq")
+        futures = []
+        for rid, reason, raw, key in rejects:
+            topic, part, offset, _ = rid.split("/")
+            value = json.dumps({"reason": reason, "raw": raw, "source": {"topic": topic, "partition": int(part),
+                                "offset": int(offset)}, "at": time.time()}).encode()
+            futures.append(self._dlq.send(self.dlq_topic, key=key, value=value))
+        self._dlq.flush(timeout=15)
+        for fut in futures:
+            fut.get(timeout=0)
+        log.warning("%d usage events rejected to %s (e.g. %s)", len(rejects), self.dlq_topic, rejects[0][1])
+
+    # ---- loop -----------------------------------------------------------------------------------
+    def run(self, stop_event: threading.Event | None = None, max_wait_s: float = 1.0) -> None:
+        """Load batches until stop_event is set. Broker or store errors are logged and retried with a new
+        consumer (the batch in flight is re-delivered and de-duplicated)."""
+        stop_event = stop_event or threading.Event()
+        last_report = time.monotonic()
+        while not stop_event.is_set():
+            try:
+                self.run_once(max_wait_s)
+            except Exception as exc:
+                self.stats["errors"] += 1
+                log.warning("usage loader batch failed (%s: %s); reconnecting", type(exc).__name__, exc)
+                self._close_clients()
+                stop_event.wait(1.0)
+            if time.monotonic() - last_report > 30:
+                log.info("usage loader: %s", self.stats)
+                last_report = time.monotonic()
+        self.close()
+
+    def close(self) -> None:
+        self._close_clients()
+
+    def _ensure_consumer(self):
+        if self._consumer is None:
+            ensure_topics(self.bootstrap_servers, [self.topic, self.dlq_topic])
+            self._consumer = make_consumer(self.bootstrap_servers, self.topic, self.group_id, self.batch_max)
+        return self._consumer
+
+    def _close_clients(self) -> None:
+        for client in (self._consumer, self._dlq):
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:
+                    pass
+        self._consumer = self._dlq = None
+
+    def _fault(self, point: str) -> None:
+        """Fault injection for the crash tests: FLEET_USAGE_FAULT=<point> kills the process there."""
+        import os
+        if os.environ.get("FLEET_USAGE_FAULT") == point:
+            os._exit(137)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fleet.settings import load_settings
+    settings = load_settings()
+    parser = argparse.ArgumentParser(prog="python -m usage.loader", description=__doc__.split("\n\n")[0])
+    add_load_arguments(parser, settings)
+    args = parser.parse_args(argv)
+    return run_from_args(args, settings)
+
+
+def add_load_arguments(parser: argparse.ArgumentParser, settings) -> None:
+    parser.add_argument("--bootstrap", default=settings.kafka_bootstrap,
+                        help="Kafka bootstrap servers (default: KAFKA_BOOTSTRAP_SERVERS or %(default)s)")
+    parser.add_argument("--store", type=Path, default=settings.usage_db_path, help="DuckDB file (default: %(default)s)")
+    parser.add_argument("--topic", default=settings.usage_topic, help="usage topic (default: %(default)s)")
+    parser.add_argument("--dlq-topic", default=settings.usage_dlq_topic, help="dead-letter topic (default: %(default)s)")
+    parser.add_argument("--group", default="usage-loader", help="consumer group id (default: %(default)s)")
+    parser.add_argument("--check-callers", action=argparse.BooleanOptionalAction, default=True,
+                        help="reject events whose caller is not in the registry (default: on when the registry exists)")
+    parser.add_argument("--batch-max", type=int, default=50_000, help="most events per batch (default: %(default)s)")
+    parser.add_argument("--once", action="store_true", help="load one batch and exit (for scripts and tests)")
+
+
+def run_from_args(args: argparse.Namespace, settings) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    known = None
+    if args.check_callers and _registry_configured(settings):
+        known = registry_callers(settings.db_url)
+    loader = UsageLoader(args.bootstrap, args.store, topic=args.topic, group_id=args.group,
+                         dlq_topic=args.dlq_topic, known_callers=known, batch_max=args.batch_max)
+    if args.once:
+        n = loader.run_once(max_wait_s=10.0)
+        loader.close()
+        print(json.dumps({"consumed": n, **loader.stats}))
+        return 0
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("usage loader: %s -> %s (topic %s, group %s, caller check %s)", args.bootstrap, args.store,
+             args.topic, args.group, "on" if known else "off")
+    loader.run(stop)
+    log.info("usage loader stopped: %s", loader.stats)
+    return 0
+
+
+def _registry_configured(settings) -> bool:
+    """A SQLite registry counts only if its file exists; any other URL (PostgreSQL) is assumed to be set up."""
+    url = settings.db_url
+    if url.startswith("sqlite:///"):
+        return Path(url.removeprefix("sqlite:///")).exists()
+    return True
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

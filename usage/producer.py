@@ -1,0 +1,129 @@
+"""The router's usage producer: spool first, then Kafka (acks=all, idempotent), then drop from the spool.
+
+`emit()` is the only call on the request path: it serialises the event and appends it to the local
+spool (`usage.spool`), a few microseconds, never touching the network. A background sender thread reads
+the spool in append order, sends to Kafka with key = caller (so one caller's events share a partition
+and stay in order), waits for the broker's acknowledgement, and only then advances the spool's
+acknowledged position. If the broker is down the sender backs off and retries the same records from
+the spool, rebuilding its Kafka client (a restarted broker does not know the old idempotent producer
+id). A router restart reopens the spool and resends everything not yet acknowledged. Resending can
+produce a duplicate in Kafka when an acknowledgement was lost; the loader de-duplicates on request_id,
+so each event lands in the store exactly once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from kafka import KafkaProducer
+
+from usage.events import UsageEvent
+from usage.kafka_io import ensure_topics, make_producer
+from usage.spool import Spool
+
+log = logging.getLogger(__name__)
+
+BATCH_RECORDS = 5000
+IDLE_WAIT_S = 0.05
+BACKOFF_MAX_S = 5.0
+
+
+class UsageProducer:
+    def __init__(self, bootstrap_servers: str, spool_dir: Path, topic: str = "llm.usage.v1") -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.topic = topic
+        self.spool = Spool(Path(spool_dir))
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._kafka: KafkaProducer | None = None
+        self._idle = threading.Condition()
+        self.sent = 0          # records acknowledged by the broker since start (duplicates included)
+        self.send_failures = 0  # batches that failed and were retried from the spool
+        self.last_error: str | None = None
+
+    # ---- request path ---------------------------------------------------------------------------
+    def emit(self, event: UsageEvent) -> None:
+        """Durably spool one event; returns in microseconds and never waits for the broker. Thread-safe
+        and safe to call from an asyncio loop (one short local file write, no await points)."""
+        self.spool.append(event.key(), event.to_json_bytes())
+        self._wake.set()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> UsageProducer:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="usage-producer", daemon=True)
+            self._thread.start()
+        return self
+
+    def pending(self) -> int:
+        """Events in the spool that the broker has not acknowledged yet."""
+        return self.spool.pending()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the spool is empty (every event acknowledged); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        self._wake.set()
+        with self._idle:
+            while self.spool.pending() > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(min(left, 0.1))
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Try to drain for up to timeout_s, then stop; whatever is left stays spooled for the next start."""
+        if self._thread is not None:
+            self.flush(timeout_s)
+            self._stop.set()
+            self._wake.set()
+            self._thread.join(timeout=15)
+            self._thread = None
+        self._drop_kafka()
+        self.spool.close()
+
+    # ---- sender thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = 0.2
+        while not self._stop.is_set():
+            batch = self.spool.read_batch(BATCH_RECORDS)
+            if not batch:
+                with self._idle:
+                    self._idle.notify_all()
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            try:
+                self._send(batch)
+            except Exception as exc:  # broker down, topic gone, producer fenced: resend from the spool
+                self.send_failures += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("usage send of %d events failed (%s); retrying in %.1f s (%d spooled)",
+                            len(batch), self.last_error, backoff, self.spool.pending())
+                self._drop_kafka()
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                continue
+            backoff = 0.2
+            self.spool.ack(batch[-1].end, len(batch))
+            self.sent += len(batch)
+
+    def _send(self, batch) -> None:
+        if self._kafka is None:
+            ensure_topics(self.bootstrap_servers, [self.topic])
+            self._kafka = make_producer(self.bootstrap_servers, client_id="usage-producer")
+        futures = [self._kafka.send(self.topic, key=r.key, value=r.value) for r in batch]
+        self._kafka.flush(timeout=15)
+        for fut in futures:
+            fut.get(timeout=0)  # raises the broker's error for any record not acknowledged
+
+    def _drop_kafka(self) -> None:
+        if self._kafka is not None:
+            try:
+                self._kafka.close(timeout=1)
+            except Exception:
+                pass
+            self._kafka = None
