@@ -82,7 +82,7 @@ class Cluster:
     def place(self, region: str, gpus: int) -> Slot | None:
         slot = self.regions[region].place(gpus)
         if slot is None:
-            log.warning("no node in %s has %d free GPUs on one node", region, gpus)
+            log.debug("no node in %s has %d free GPUs on one node", region, gpus)
         return slot
 
     def release(self, slot: Slot) -> None:

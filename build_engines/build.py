@@ -115,7 +115,7 @@ def link_or_copy_tree(src: Path, dst: Path, label: str) -> str:
 
 def artefacts_ok(settings: Settings, model: str, version: str, uri: str) -> bool:
     vdir = version_dir(settings, model, version)
-    return ((vdir / "weights" / stage.MANIFEST).is_file()
+    return (((vdir / "weights" / stage.MANIFEST).is_file() or (vdir / stage.MANIFEST).is_file())
             and (vdir / "model_repository" / "llm" / "config.pbtxt").is_file()
             and stage.read_manifest(uri) is not None)
 

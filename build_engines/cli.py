@@ -55,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-lora-rank", type=int, default=64)
     g.add_argument("--lora-target-modules", nargs="+", default=list(DEFAULT_LORA_MODULES))
     g.add_argument("--calib-size", type=int, default=512, help="fp8 calibration samples (ModelOpt)")
+    g.add_argument("--trtllm-examples", help="TensorRT-LLM examples folder (default $TRTLLM_EXAMPLES_DIR or "
+                                             "/opt/TensorRT-LLM/examples)")
     return p
 
 

@@ -59,6 +59,7 @@ class BuildOptions(BaseModel):
     max_lora_rank: int = Field(64, ge=1, le=1024)
     lora_target_modules: tuple[str, ...] = DEFAULT_LORA_MODULES
     calib_size: int = Field(512, ge=1)
+    trtllm_examples: str | None = None  # TensorRT-LLM examples folder inside the container
 
     @field_validator("batch_scheduler_policy")
     @classmethod

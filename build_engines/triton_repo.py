@@ -17,12 +17,21 @@ CPU_STEPS = ("llm", "preprocessing", "engine", "postprocessing")
 def render_repository(out_dir: Path, values: dict[str, str], steps: tuple[str, ...] = CPU_STEPS,
                       templates: Path = TEMPLATES) -> Path:
     """Write `steps` from `templates` into out_dir with ${placeholders} filled; replaces out_dir whole."""
+    return render_steps(out_dir, values, {step: templates / step for step in steps})
+
+
+def render_steps(out_dir: Path, values: dict[str, str], sources: dict[str, Path]) -> Path:
+    """Write each model folder `sources[name]` into out_dir/name with ${placeholders} filled.
+
+    Every model gets a version folder `1/` (git does not keep empty ones); out_dir is replaced whole.
+    """
     tmp = out_dir.with_name(out_dir.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
-    for step in steps:
-        src, dst = templates / step, tmp / step
-        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for step, src in sources.items():
+        dst = tmp / step
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".gitkeep"))
+        (dst / "1").mkdir(exist_ok=True)
         config = dst / "config.pbtxt"
         config.write_text(Template(config.read_text()).substitute(values))
     if out_dir.exists():
@@ -32,5 +41,6 @@ def render_repository(out_dir: Path, values: dict[str, str], steps: tuple[str, .
 
 
 def cpu_values(weights_dir: Path, adapters_dir: Path, max_context: int, dtype: str = "bf16") -> dict[str, str]:
+    """${placeholders} of the CPU templates (engine, preprocessing, postprocessing)."""
     return {"weights_dir": str(weights_dir), "adapters_dir": str(adapters_dir), "dtype": dtype,
             "max_context": str(max_context)}

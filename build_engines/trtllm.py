@@ -40,8 +40,9 @@ from build_engines.register import Registration, check_existing, read_row
 TRTLLM_VERSION = "0.17.0"
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3"
 EXAMPLES_DIR = os.environ.get("TRTLLM_EXAMPLES_DIR", "/opt/TensorRT-LLM/examples")
-TRTLLM_TEMPLATES = REPO_ROOT / "model_repository" / "trtllm"
-GPU_STEPS = ("llm", "preprocessing", "tensorrt_llm", "postprocessing")
+TEMPLATES = REPO_ROOT / "model_repository"
+GPU_TEMPLATES = {"llm": TEMPLATES / "gpu" / "llm", "preprocessing": TEMPLATES / "gpu" / "preprocessing",
+                 "tensorrt_llm": TEMPLATES / "tensorrt_llm", "postprocessing": TEMPLATES / "gpu" / "postprocessing"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json", "config.json", "chat_template.jinja")
 HF_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp8": "float16"}
@@ -125,9 +126,9 @@ def trtllm_values(plan: BuildPlan, engine_dir: Path, tokenizer_dir: Path, adapte
     }
 
 
-def render(values: dict[str, str], out_dir: Path) -> Path:
+def render(values: dict[str, str], out_dir: Path, templates: dict[str, Path] | None = None) -> Path:
     """Render the GPU Triton repository (ensemble llm, preprocessing, tensorrt_llm, postprocessing)."""
-    return triton_repo.render_repository(out_dir, values, GPU_STEPS, TRTLLM_TEMPLATES)
+    return triton_repo.render_steps(out_dir, values, templates or GPU_TEMPLATES)
 
 
 def runtime_problems(tp: int, examples_dir: str) -> list[str]:
@@ -170,7 +171,8 @@ def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str) -> Any:
     plan = resolve(opts, ckpt)
     vdir = version_dir(settings, opts.model, opts.version)
     work = settings.data_dir / "build" / f"{opts.model}-{opts.version}"
-    tp_plan = plan_trtllm(plan, work, vdir, settings.data_dir / "adapters")
+    examples = opts.trtllm_examples or EXAMPLES_DIR
+    tp_plan = plan_trtllm(plan, work, vdir, settings.data_dir / "adapters", examples)
     uri = store_uri(settings, opts)
     if opts.dry_run:
         tmp = settings.data_dir / "build" / f".dry-run-{uuid.uuid4().hex[:8]}"
@@ -185,7 +187,7 @@ def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str) -> Any:
                 f"{tp_plan.shell()}\n# then: render {vdir}/model_repository, stage to {uri}, register "
                 f"building -> built -> staged\n# --- tensorrt_llm/config.pbtxt ---\n{cfg}")
         return BuildResult("planned", opts.model, opts.version, message="dry run: nothing done", plan_text=text)
-    problems = runtime_problems(plan.tensor_parallel, EXAMPLES_DIR)
+    problems = runtime_problems(plan.tensor_parallel, examples)
     if problems:
         raise BuildError("--target", "cannot run the TensorRT-LLM build here: " + "; ".join(problems) +
                          f". Run it on a GPU node inside {TRITON_IMAGE} (docs/build_engines.md), or use --dry-run")

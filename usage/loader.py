@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import operator
 import signal
 import threading
 import time
@@ -45,6 +46,9 @@ def registry_callers(db_url: str) -> Callable[[], set[str]]:
         with session_scope(db_url) as session:
             return {c.name for c in list_callers(session)}
     return load
+
+
+_row = operator.itemgetter(*store.EVENT_COLUMNS)  # event fields in table column order, at C speed
 
 
 def _reason(exc: ValidationError) -> str:
@@ -124,8 +128,7 @@ class UsageLoader:
                 elif callers is not None and ev.caller not in callers and ev.caller not in self._caller_set(True):
                     reason = f"unknown caller {ev.caller!r}"
             if reason is None:
-                d = ev.__dict__
-                rows.setdefault(ev.request_id, tuple(d[c] for c in store.EVENT_COLUMNS))
+                rows.setdefault(ev.request_id, _row(ev.__dict__))
             else:
                 rid = f"{rec.topic}/{rec.partition}/{rec.offset}/{zlib.crc32(raw):08x}"
                 rejects.append((rid, reason, raw.decode("utf-8", "replace"), rec.key))

@@ -79,6 +79,8 @@ class Scheduler:
         decodes: list[Scheduled] = []
         chunks: list[Scheduled] = []
         scheduled_ids: set[int] = set()
+        if self.waiting and self.waiting[0].priority == Priority.INTERACTIVE:
+            self._make_room(self.waiting[0])
         # 1. decodes, highest priority first so preemption hits the least important
         for seq in sorted(self.running, key=Sequence.sort_key):
             if seq.status != Status.RUNNING or seq.in_prefill:
@@ -109,10 +111,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hits = self.kv.match_prefix(seq)
-            reserve = max(0, min(self.config.output_estimate, seq.params.max_tokens - seq.num_output))
-            if not self.kv.can_admit(seq, reserve, hits):
-                if not (seq.priority == Priority.INTERACTIVE and self._make_room(seq, reserve, hits)):
-                    break
+            reserve = self._reserve(seq)
+            if not self.kv.can_admit(seq, reserve, hits) and (self.running or not self.kv.can_admit(seq, 0, hits)):
+                break        # (an idle engine admits a prompt that fits even if its output estimate does not)
             if not self.acquire_lora(seq):
                 break        # every adapter slot is pinned by running work: wait for one to finish
             self.waiting.pop(0)
@@ -124,6 +125,11 @@ class Scheduler:
                 chunks.append(item)
                 scheduled_ids.add(seq.seq_id)
                 budget -= item.num_tokens
+        if not decodes and not chunks and self.running:
+            # Every running sequence is stuck mid-prefill on an empty pool: free the least important one.
+            self._preempt(max(self.running, key=Sequence.sort_key))
+            if self.running:
+                return self.schedule()
         return decodes + chunks
 
     def _chunk(self, seq: Sequence, budget: int) -> Scheduled | None:
@@ -132,12 +138,13 @@ class Scheduler:
             return None
         return Scheduled(seq, n)
 
-    def _make_room(self, seq: Sequence, reserve: int, hits: list[int]) -> bool:
-        """Interactive admission may preempt batch-tier sequences (latest first) until it fits."""
-        while not self.kv.can_admit(seq, reserve, hits):
+    def _reserve(self, seq: Sequence) -> int:
+        return max(0, min(self.config.output_estimate, seq.params.max_tokens - seq.num_output))
+
+    def _make_room(self, seq: Sequence) -> None:
+        """Interactive work that does not fit may preempt batch-tier sequences (least important first)."""
+        while not self.kv.can_admit(seq, self._reserve(seq), self.kv.match_prefix(seq)):
             batch = [s for s in self.running if s.priority == Priority.BATCH]
             if not batch:
-                return False
+                return
             self._preempt(max(batch, key=Sequence.sort_key))
-            hits = self.kv.match_prefix(seq)
-        return True

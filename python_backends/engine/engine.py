@@ -1,0 +1,204 @@
+"""LLMEngine: add_request / abort / step over the scheduler, the KV cache manager and the model runner.
+
+One `step()` = schedule (decodes + prefill chunks), one batched forward, sampling for every sequence whose
+chunk reached its last token, stop checks, and the outputs of that iteration (delta token ids, and on the last
+one the finish reason and usage). Finished sequences leave at once and free their blocks, so queued ones can
+join in the very next iteration. Not thread-safe: one thread (EngineLoop) drives it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from python_backends.engine.config import EngineConfig
+from python_backends.engine.kv_cache_manager import KVCacheManager
+from python_backends.engine.lora import FUSED, AdapterError, LoraManager
+from python_backends.engine.metrics import EngineStats
+from python_backends.engine.model_runner import ModelRunner, SeqChunk
+from python_backends.engine.sampling import sample
+from python_backends.engine.scheduler import Scheduler
+from python_backends.engine.sequence import FinishReason, SamplingParams, Sequence, Status
+from python_backends.engine.stops import StopChecker
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    token_ids: list[int]              # newly released output ids (often one, may be none)
+    finish_reason: str = ""           # "" until the final output
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.finish_reason)
+
+    @property
+    def usage(self) -> tuple[int, int, int]:
+        return (self.seq.num_prompt, self.seq.num_cached_prompt, self.seq.num_emitted)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.set_num_threads(config.threads)
+        weights = Path(config.weights_dir)
+        self.tokenizer = Tokenizer.from_file(str(weights / "tokenizer.json"))
+        import json
+        mcfg = json.loads((weights / "config.json").read_text())
+        hidden, inter = mcfg["hidden_size"], mcfg["intermediate_size"]
+        hd = mcfg.get("head_dim") or hidden // mcfg["num_attention_heads"]
+        q_out, kv_out = mcfg["num_attention_heads"] * hd, mcfg["num_key_value_heads"] * hd
+        dims = {"qkv": (hidden, [q_out, kv_out, kv_out]), "o": (q_out, [hidden]),
+                "gate_up": (hidden, [inter, inter]), "down": (inter, [hidden])}
+        assert set(dims) == set(FUSED)
+        self.lora = LoraManager(config.adapters_dir, mcfg["num_hidden_layers"], dims,
+                                {"bf16": torch.bfloat16, "fp32": torch.float32}.get(config.dtype, torch.float32),
+                                config.max_loras, config.max_lora_rank) if config.adapters_dir else None
+        self.runner = ModelRunner(weights, config.dtype, config.num_kv_blocks, config.block_size,
+                                  config.max_context, self.lora)
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.kv, self._acquire_lora, self._release_lora)
+        self.stats = EngineStats()
+        self.stop_checkers: dict[int, StopChecker] = {}
+        self._pending: list[StepOutput] = []     # outputs decided outside step() (rejections, aborts)
+        self.steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, priority: int = 1,
+                    deadline_ms: int = 0, lora_name: str = "", request_id: object = None) -> Sequence:
+        params = params or SamplingParams(max_tokens=self.config.default_max_tokens)
+        seq = Sequence(prompt_ids, params, priority, deadline_ms, lora_name, request_id)
+        error = self._validate(seq)
+        if error:
+            seq.status = Status.FINISHED
+            seq.finish_reason = FinishReason.ERROR
+            seq.error = error
+            self._pending.append(StepOutput(seq, [], FinishReason.ERROR.value))
+            return seq
+        # never generate past the context window
+        params.max_tokens = max(0, min(params.max_tokens, self.config.max_context - seq.num_prompt))
+        if params.stop:
+            self.stop_checkers[seq.seq_id] = StopChecker(self.tokenizer, params.stop)
+        self.scheduler.add(seq)
+        return seq
+
+    def _validate(self, seq: Sequence) -> str:
+        if seq.num_prompt == 0:
+            return "empty prompt"
+        if seq.num_prompt >= self.config.max_context:
+            return f"prompt of {seq.num_prompt} tokens does not fit max_context {self.config.max_context}"
+        if any(t < 0 or t >= self.runner.vocab for t in seq.prompt_ids):
+            return "token id out of range"
+        if self.kv.blocks_for(seq.num_prompt + 1) > self.kv.pool.num_usable:
+            return "prompt does not fit the KV pool"
+        if seq.lora_name and (self.lora is None or not self.lora.available(seq.lora_name)):
+            return f"unknown adapter {seq.lora_name!r}"
+        return ""
+
+    def abort(self, seq: Sequence, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        """Stop a sequence now and free its blocks (cancellation, deadline)."""
+        if seq.finished:
+            return
+        self._finish(seq, reason)
+        self._pending.append(StepOutput(seq, [], reason.value))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self.stop_checkers.pop(seq.seq_id, None)
+
+    def _acquire_lora(self, seq: Sequence) -> bool:
+        if not seq.lora_name:
+            return True
+        slot = self.lora.acquire(seq.lora_name)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_name and seq.lora_slot >= 0:
+            self.lora.release(seq.lora_name)
+            seq.lora_slot = -1
+
+    # ------------------------------------------------------------------ one iteration
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        now_ms = time.time() * 1000.0
+        for seq in [s for s in self.scheduler.running + self.scheduler.waiting if s.deadline_ms and now_ms > s.deadline_ms]:
+            self._finish(seq, FinishReason.DEADLINE)
+            outputs.append(StepOutput(seq, [], FinishReason.DEADLINE.value))
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return outputs
+        now = time.monotonic()
+        chunks, sampled = [], []
+        prefill_tokens = 0
+        for item in scheduled:
+            seq = item.seq
+            if seq.admitted_at is None:
+                seq.admitted_at = now
+                self.stats.on_admit(now - seq.arrival)
+            start = seq.num_computed
+            end = start + item.num_tokens
+            need_logits = end == seq.num_tokens
+            chunks.append(SeqChunk(seq.token_ids[start:end], start, seq.block_table, need_logits, seq.lora_slot))
+            if need_logits:
+                sampled.append(seq)
+            if not item.is_decode:
+                prefill_tokens += item.num_tokens
+        logits = self.runner.forward(self.runner.prepare(chunks))
+        for item in scheduled:
+            item.seq.num_computed += item.num_tokens
+            self.kv.commit(item.seq)
+        new_ids = sample(logits, sampled) if sampled else []
+        now = time.monotonic()
+        for seq, tok in zip(sampled, new_ids):
+            outputs.append(self._append(seq, tok, now))
+        self.stats.on_step(len(new_ids), prefill_tokens)
+        self.steps += 1
+        return outputs
+
+    def _append(self, seq: Sequence, tok: int, now: float) -> StepOutput:
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.stats.on_first_token(now - seq.arrival)
+        elif seq.last_token_at is not None:
+            self.stats.on_token(now - seq.last_token_at)
+        seq.last_token_at = now
+        p = seq.params
+        if tok in self.runner.eos_ids and not p.ignore_eos:
+            # EOS itself is not emitted; release whatever stop-string hold-back was keeping
+            release = seq.output_ids[seq.num_emitted:]
+            return self._done(seq, release, FinishReason.STOP)
+        seq.token_ids.append(tok)
+        checker = self.stop_checkers.get(seq.seq_id)
+        if checker is not None:
+            safe, hit = checker.update(seq.output_ids)
+            release = seq.output_ids[seq.num_emitted:safe]
+            if hit:
+                return self._done(seq, release, FinishReason.STOP)
+        else:
+            release = [tok]
+        if seq.num_output >= p.max_tokens or seq.num_tokens >= self.config.max_context:
+            return self._done(seq, seq.output_ids[seq.num_emitted:], FinishReason.LENGTH)
+        seq.num_emitted += len(release)
+        return StepOutput(seq, release)
+
+    def _done(self, seq: Sequence, release: list[int], reason: FinishReason) -> StepOutput:
+        seq.num_emitted += len(release)
+        self._finish(seq, reason)
+        return StepOutput(seq, release, reason.value)
+
+    # ------------------------------------------------------------------ introspection
+    def kv_overhead(self) -> float:
+        """Referenced KV blocks' capacity / resident tokens (1.0 = no waste)."""
+        resident = sum(s.num_computed for s in self.scheduler.running)
+        return self.kv.pool.num_used * self.config.block_size / resident if resident else 1.0

@@ -1,0 +1,113 @@
+"""Engine statistics: counters and latency windows kept in plain Python, exported two ways.
+
+`EngineStats` is fed by the engine (admission, first token, every token, every step) and answers the
+numbers the state report and tests need (p95s, tokens/s, prefix hit rate). `TritonMetrics` mirrors them into
+Triton custom metrics (`pb_utils.MetricFamily`) on the server's metrics port; it is only built inside Triton.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+ITL_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100.0 * (len(ordered) - 1))))]
+
+
+class EngineStats:
+    def __init__(self, window: int = 512):
+        self.ttft_s: deque[float] = deque(maxlen=window)
+        self.itl_s: deque[float] = deque(maxlen=4 * window)
+        self.queue_wait_s: deque[float] = deque(maxlen=window)
+        self.token_times: deque[tuple[float, int]] = deque()   # (time, tokens) of recent steps, for tokens/s
+        self.generated_tokens = 0
+        self.prompt_tokens_computed = 0
+        self.sink: Any = None                                   # TritonMetrics when served by Triton
+
+    def on_admit(self, wait_s: float) -> None:
+        self.queue_wait_s.append(wait_s)
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft_s.append(ttft_s)
+        if self.sink:
+            self.sink.ttft.observe(ttft_s)
+
+    def on_token(self, itl_s: float) -> None:
+        self.itl_s.append(itl_s)
+        if self.sink:
+            self.sink.itl.observe(itl_s)
+
+    def on_step(self, new_tokens: int, prefill_tokens: int) -> None:
+        now = time.monotonic()
+        self.generated_tokens += new_tokens
+        self.prompt_tokens_computed += prefill_tokens
+        self.token_times.append((now, new_tokens))
+        while self.token_times and now - self.token_times[0][0] > 5.0:
+            self.token_times.popleft()
+        if self.sink and new_tokens:
+            self.sink.tokens.increment(new_tokens)
+
+    def tokens_per_s(self) -> float:
+        if not self.token_times:
+            return 0.0
+        span = max(time.monotonic() - self.token_times[0][0], 1.0)
+        return sum(n for _, n in self.token_times) / span
+
+    def ttft_ms_p95(self) -> float:
+        return 1000.0 * percentile(list(self.ttft_s), 95)
+
+    def queue_wait_ms_p95(self) -> float:
+        return 1000.0 * percentile(list(self.queue_wait_s), 95)
+
+
+class TritonMetrics:
+    """Triton custom metrics (name prefix fleet_engine_), updated from the engine loop thread."""
+
+    def __init__(self, pb_utils: Any, labels: dict[str, str]):
+        fam = pb_utils.MetricFamily
+        gauge = lambda n, d: fam(name=n, description=d, kind=fam.GAUGE).Metric(labels=labels)  # noqa: E731
+        counter = lambda n, d: fam(name=n, description=d, kind=fam.COUNTER).Metric(labels=labels)  # noqa: E731
+        self.kv_used = gauge("fleet_engine_kv_blocks_used", "KV blocks referenced by sequences")
+        self.kv_free = gauge("fleet_engine_kv_blocks_free", "KV blocks free (blank or evictable cached)")
+        self.running = gauge("fleet_engine_running", "sequences running")
+        self.waiting = gauge("fleet_engine_waiting", "sequences waiting for admission")
+        self.preemptions = counter("fleet_engine_preemptions_total", "sequences preempted (recompute)")
+        self.hit_rate = gauge("fleet_engine_prefix_cache_hit_rate", "prompt tokens served from the prefix cache")
+        self.tokens_per_s = gauge("fleet_engine_tokens_per_s", "generated tokens per second (5 s window)")
+        self.tokens = counter("fleet_engine_generated_tokens_total", "generated tokens")
+        self.adapters = gauge("fleet_engine_adapters_loaded", "LoRA adapters resident")
+        try:
+            hist = fam.HISTOGRAM
+            self.ttft = fam(name="fleet_engine_ttft_seconds", description="time to first token",
+                            kind=hist).Metric(labels=labels, buckets=TTFT_BUCKETS)
+            self.itl = fam(name="fleet_engine_inter_token_latency_seconds", description="inter-token latency",
+                           kind=hist).Metric(labels=labels, buckets=ITL_BUCKETS)
+        except Exception:   # an older python_backend without histograms: fall back to no-op observers
+            self.ttft = self.itl = _NoHistogram()
+        self._preempt_seen = 0
+
+    def update(self, engine: Any) -> None:
+        pool = engine.kv.pool
+        self.kv_used.set(pool.num_used)
+        self.kv_free.set(pool.num_free)
+        self.running.set(len(engine.scheduler.running))
+        self.waiting.set(len(engine.scheduler.waiting))
+        delta = engine.scheduler.num_preemptions - self._preempt_seen
+        if delta:
+            self.preemptions.increment(delta)
+            self._preempt_seen += delta
+        self.hit_rate.set(engine.kv.hit_rate())
+        self.tokens_per_s.set(engine.stats.tokens_per_s())
+        self.adapters.set(len(engine.lora.loaded()) if engine.lora else 0)
+
+
+class _NoHistogram:
+    def observe(self, value: float) -> None:
+        pass
