@@ -1,4 +1,5 @@
-"""First-run registry contents for a local platform: the SmolLM2 route, a dev team and caller, an admin token."""
+"""First-run registry contents for a local platform: the SmolLM2 route, a dev team and caller, admin
+(operator) and viewer tokens."""
 from __future__ import annotations
 
 import secrets
@@ -27,7 +28,8 @@ def seed(settings: Settings) -> tuple[str, str]:
         if not s.query(WarmBuffer).filter_by(model=DEFAULT_MODEL, version=DEFAULT_VERSION).first():
             s.add(WarmBuffer(model=DEFAULT_MODEL, version=DEFAULT_VERSION, min_idle_replicas=0, min_replicas=1,
                              max_replicas=2, slo_ttft_ms_p95=500, slo_tokens_per_s=40))
-    if not settings.admin_token_file.exists():
-        settings.admin_token_file.write_text("fa-" + secrets.token_urlsafe(24) + "\n")
-        settings.admin_token_file.chmod(0o600)
+    for path, prefix in ((settings.admin_token_file, "fa-"), (settings.viewer_token_file, "fv-")):
+        if not path.exists():
+            path.write_text(prefix + secrets.token_urlsafe(24) + "\n")
+            path.chmod(0o600)
     return existing, settings.admin_token_file.read_text().strip()

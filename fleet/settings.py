@@ -77,6 +77,10 @@ class Settings:
     def admin_token_file(self) -> Path:
         return self.data_dir / "admin-token"
 
+    @property
+    def viewer_token_file(self) -> Path:
+        return self.data_dir / "viewer-token"
+
 
 def load_settings() -> Settings:
     data_dir = Path(os.environ.get("FLEET_DATA_DIR", REPO_ROOT / ".fleet")).resolve()

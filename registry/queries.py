@@ -195,3 +195,48 @@ def model_summaries(session: Session) -> list[ModelSummary]:
     routes = all_routes(session)
     return [ModelSummary(m.name, m.version, m.status, m.max_context, routes.get(m.name, {}).get(m.version, 0))
             for m in list_model_versions(session)]
+
+
+# --- rollout operations (admin API) ------------------------------------------------------------------
+
+def rollout_split(current: dict[str, int], version: str, percent: int) -> dict[str, int]:
+    """The split after giving `version` `percent`: the other routed versions share the rest in proportion."""
+    if not 0 <= percent <= 100:
+        raise RegistryError(f"percent is {percent}; allowed 0..100")
+    others = {v: p for v, p in current.items() if v != version and p > 0}
+    rest = 100 - percent
+    if rest and not others:
+        raise RegistryError(f"no other routed version can take the remaining {rest} %; "
+                            f"send percent=100 or a full split")
+    total = sum(others.values()) or 1
+    split = {v: rest * p // total for v, p in others.items()}
+    if others:  # rounding leftovers go to the largest other version so the split sums to 100
+        split[max(others, key=others.get)] += rest - sum(split.values())
+    split[version] = percent
+    return {v: p for v, p in split.items() if p > 0}
+
+
+def rollback_routes(session: Session, model: str, actor: str) -> dict[str, int]:
+    """Restore the split in force before the last route change of `model` (a second rollback undoes the first)."""
+    last = session.scalar(select(AuditLog).where(AuditLog.target == model, AuditLog.action.in_(
+        ("set_routes", "rollback"))).order_by(AuditLog.id.desc()).limit(1))
+    if last is None or not (last.before or {}).get("routes"):
+        raise RegistryError(f"model {model!r} has no earlier route to roll back to")
+    previous = {v: int(p) for v, p in last.before["routes"].items()}
+    set_routes(session, model, previous, actor)
+    session.flush()
+    newest = session.scalar(select(AuditLog).order_by(AuditLog.id.desc()).limit(1))
+    newest.action = "rollback"
+    return previous
+
+
+def set_replica_state(session: Session, replica_id: str, state: str, actor: str) -> None:
+    allowed = ("serving", "draining", "cordoned")
+    if state not in allowed:
+        raise RegistryError(f"state {state!r} is not one of {list(allowed)}")
+    row = session.get(Replica, replica_id)
+    if row is None:
+        raise RegistryError(f"replica {replica_id!r} is not registered")
+    audit(session, actor, f"replica_{state}", replica_id, {"state": row.state}, {"state": state})
+    row.state = state
+    bump_version(session)

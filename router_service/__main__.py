@@ -31,14 +31,18 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def admin_token() -> str:
+def admin_tokens() -> dict[str, str]:
+    """token -> role, from env or the data dir's token files (written by `fleet seed`)."""
     s = load_settings()
-    token = os.environ.get("FLEET_ADMIN_TOKEN")
-    if token:
-        return token
-    if s.admin_token_file.exists():
-        return s.admin_token_file.read_text().strip()
-    raise SystemExit(f"no admin token: set FLEET_ADMIN_TOKEN or create {s.admin_token_file} (`fleet seed` does)")
+    tokens = {}
+    for role, env, path in (("operator", "FLEET_ADMIN_TOKEN", s.admin_token_file),
+                            ("viewer", "FLEET_VIEWER_TOKEN", s.viewer_token_file)):
+        token = os.environ.get(env) or (path.read_text().strip() if path.exists() else "")
+        if token:
+            tokens[token] = role
+    if "operator" not in tokens.values():
+        raise SystemExit(f"no admin token: set FLEET_ADMIN_TOKEN or create {s.admin_token_file} (`fleet seed` does)")
+    return tokens
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -50,7 +54,7 @@ async def serve(args: argparse.Namespace) -> None:
         producer.start()
     router = Router(registry, producer, region=settings.region)
     grpc_server = await start_grpc_server(router, args.host, args.grpc_port)
-    config = uvicorn.Config(create_app(router, admin_token()), host=args.host, port=args.http_port,
+    config = uvicorn.Config(create_app(router, admin_tokens()), host=args.host, port=args.http_port,
                             log_level="warning", lifespan="off")
     http_server = uvicorn.Server(config)
     http_server.install_signal_handlers = lambda: None

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from router_service.admin_api import admin_router
 from router_service.core import Prepared, Router
 from router_service.errors import RouterError
 from router_service.openai_schema import ChatBody, CompletionBody
@@ -26,7 +27,8 @@ def _bearer(request: Request) -> str | None:
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
-def create_app(router: Router, admin_token: str) -> FastAPI:
+def create_app(router: Router, admin_tokens: dict[str, str]) -> FastAPI:
+    """admin_tokens: token -> role (`operator` or `viewer`)."""
     app = FastAPI(title="LLM fleet router", version="0.1.0")
 
     @app.exception_handler(RouterError)
@@ -37,10 +39,6 @@ def create_app(router: Router, admin_token: str) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_req: Request, exc: RequestValidationError):
         return _error(400, "invalid_argument", _describe(exc.errors()))
-
-    def require_admin(request: Request) -> None:
-        if _bearer(request) != admin_token:
-            raise RouterError("unauthenticated", "admin endpoints need 'authorization: Bearer <admin token>'")
 
     @app.get("/health")
     async def health():
@@ -91,16 +89,7 @@ def create_app(router: Router, admin_token: str) -> FastAPI:
             raise RouterError("invalid_argument", str(exc)) from exc
         return {"ok": True}
 
-    @app.get("/admin/fleet")
-    async def fleet(request: Request):
-        require_admin(request)
-        snap = router.registry.snapshot
-        replicas = [{"replica_id": r.replica_id, "model": r.model, "version": r.version, "region": r.region,
-                     "state": "cordoned" if r.replica_id in router.cordoned else r.state,
-                     "inflight": router.inflight.get(r.replica_id, 0), **router.replica_state.summary(r.replica_id)}
-                    for r in snap.replicas]
-        return {"registry_version": snap.version, "routes": snap.routes, "replicas": replicas}
-
+    app.include_router(admin_router(router, admin_tokens))
     return app
 
 

@@ -1,0 +1,123 @@
+"""Admin HTTP API: the one validated write path for rollouts and replica states, each change audited.
+
+Two roles: `operator` (may write) and `viewer` (read only). Tokens come from the data dir
+(`admin-token` for the operator, `viewer-token` for viewers) or FLEET_ADMIN_TOKEN / FLEET_VIEWER_TOKEN.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from registry import queries
+from registry.db import session_scope
+from router_service.core import Router
+from router_service.errors import RouterError
+
+
+class RolloutBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: str | None = None
+    percent: int | None = Field(default=None, ge=0, le=100)
+    split: dict[str, int] | None = None
+
+
+class VersionBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: str
+
+
+def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
+    api = APIRouter(prefix="/admin")
+    db_url = router.registry.db_url
+
+    def role_of(request: Request, need: str) -> str:
+        auth = request.headers.get("authorization", "")
+        role = tokens.get(auth[7:].strip()) if auth.lower().startswith("bearer ") else None
+        if role is None:
+            raise RouterError("unauthenticated", "admin endpoints need 'authorization: Bearer <admin or viewer token>'")
+        if need == "operator" and role != "operator":
+            raise RouterError("permission_denied", f"role {role!r} may not change the fleet; an operator token is needed")
+        return role
+
+    async def write(fn, *args):
+        try:
+            result = await asyncio.to_thread(_in_session, db_url, fn, *args)
+        except queries.RegistryError as exc:
+            raise RouterError("invalid_argument", str(exc)) from exc
+        router.registry.snapshot = await asyncio.to_thread(_reload, db_url)  # this router sees it at once
+        return result
+
+    @api.get("/whoami")
+    async def whoami(request: Request):
+        return {"role": role_of(request, "viewer")}
+
+    @api.get("/fleet")
+    async def fleet(request: Request):
+        role_of(request, "viewer")
+        snap = router.registry.snapshot
+        replicas = [{"replica_id": r.replica_id, "model": r.model, "version": r.version, "region": r.region,
+                     "state": "cordoned" if r.replica_id in router.cordoned else r.state,
+                     "inflight": router.inflight.get(r.replica_id, 0), **router.replica_state.summary(r.replica_id)}
+                    for r in snap.replicas]
+        return {"registry_version": snap.version, "routes": snap.routes, "replicas": replicas}
+
+    @api.post("/models/{name}/rollout")
+    async def rollout(name: str, body: RolloutBody, request: Request):
+        actor = role_of(request, "operator")
+        if body.split is not None:
+            split = body.split
+        elif body.version is not None and body.percent is not None:
+            split = queries.rollout_split(router.registry.snapshot.routes.get(name, {}), body.version, body.percent)
+        else:
+            raise RouterError("invalid_argument", "send {version, percent} or {split: {version: percent}}")
+        await write(lambda s: queries.set_routes(s, name, split, actor=actor))
+        return {"model": name, "routes": split}
+
+    @api.post("/models/{name}/promote")
+    async def promote(name: str, body: VersionBody, request: Request):
+        actor = role_of(request, "operator")
+
+        def do(s):
+            queries.set_routes(s, name, {body.version: 100}, actor=actor)
+            queries.set_model_status(s, name, body.version, "serving")
+        await write(do)
+        return {"model": name, "routes": {body.version: 100}}
+
+    @api.post("/models/{name}/rollback")
+    async def rollback(name: str, request: Request):
+        actor = role_of(request, "operator")
+        routes = await write(lambda s: queries.rollback_routes(s, name, actor=actor))
+        return {"model": name, "routes": routes}
+
+    @api.post("/replicas/{replica_id}/{action}")
+    async def replica_action(replica_id: str, action: str, request: Request):
+        actor = role_of(request, "operator")
+        state = {"cordon": "cordoned", "drain": "draining", "uncordon": "serving"}.get(action)
+        if state is None:
+            raise RouterError("not_found", f"unknown replica action {action!r}; allowed: cordon, drain, uncordon")
+        await write(lambda s: queries.set_replica_state(s, replica_id, state, actor=actor))
+        if state == "serving":
+            router.cordoned.discard(replica_id)
+        return {"replica_id": replica_id, "state": state}
+
+    @api.get("/audit")
+    async def audit(request: Request, limit: int = 100):
+        role_of(request, "viewer")
+        rows = await asyncio.to_thread(_in_session, db_url, lambda s: [
+            {"at": a.at.isoformat(), "actor": a.actor, "action": a.action, "target": a.target, "before": a.before,
+             "after": a.after} for a in queries.list_audit(s, limit)])
+        return {"entries": rows}
+
+    return api
+
+
+def _in_session(db_url: str, fn, *args):
+    with session_scope(db_url) as s:
+        return fn(s, *args)
+
+
+def _reload(db_url: str):
+    from router_service.registry_cache import load_snapshot
+    return load_snapshot(db_url)

@@ -1,0 +1,66 @@
+"""Admin API against a real registry (SQLite and PostgreSQL): roles, rollout, rollback, audit."""
+import pytest
+from fastapi.testclient import TestClient
+
+from registry import queries
+from registry.db import migrate, session_scope
+from router_service.core import Router
+from router_service.http_frontend import create_app
+from router_service.registry_cache import RegistryCache
+
+OPERATOR, VIEWER = "op-token", "view-token"
+
+
+@pytest.fixture
+def client(db_url):
+    migrate(db_url)
+    with session_scope(db_url) as s:
+        for v in ("1", "2"):
+            queries.upsert_model_version(s, "m", v, status="serving", max_context=2048)
+        queries.set_routes(s, "m", {"1": 100}, actor="seed")
+        queries.upsert_replica(s, "m-r0", model="m", version="1", grpc_url="127.0.0.1:1", http_url="http://x",
+                               state="serving")
+    router = Router(RegistryCache(db_url))
+    return TestClient(create_app(router, {OPERATOR: "operator", VIEWER: "viewer"})), db_url
+
+
+def _auth(token):
+    return {"authorization": f"Bearer {token}"}
+
+
+def test_rollout_rollback_and_audit(client):
+    http, db_url = client
+    r = http.post("/admin/models/m/rollout", json={"version": "2", "percent": 30}, headers=_auth(OPERATOR))
+    assert r.status_code == 200 and r.json()["routes"] == {"1": 70, "2": 30}
+    with session_scope(db_url) as s:
+        assert queries.routes_for(s, "m") == {"1": 70, "2": 30}
+    r = http.post("/admin/models/m/rollback", headers=_auth(OPERATOR))
+    assert r.json()["routes"] == {"1": 100}
+    with session_scope(db_url) as s:
+        assert queries.routes_for(s, "m") == {"1": 100}
+    audit = http.get("/admin/audit", headers=_auth(VIEWER)).json()["entries"]
+    assert [e["action"] for e in audit[:2]] == ["rollback", "set_routes"]
+
+
+def test_viewer_cannot_write_and_bad_splits_change_nothing(client):
+    http, db_url = client
+    r = http.post("/admin/models/m/rollout", json={"version": "2", "percent": 30}, headers=_auth(VIEWER))
+    assert r.status_code == 403 and "operator" in r.json()["error"]["message"]
+    assert http.get("/admin/fleet", headers=_auth("nope")).status_code == 401
+    r = http.post("/admin/models/m/rollout", json={"split": {"1": 50, "2": 20}}, headers=_auth(OPERATOR))
+    assert r.status_code == 400 and "sum to 70" in r.json()["error"]["message"]
+    r = http.post("/admin/models/m/rollout", json={"version": "7", "percent": 10}, headers=_auth(OPERATOR))
+    assert r.status_code == 400 and "no version '7'" in r.json()["error"]["message"]
+    r = http.post("/admin/models/m/rollout", json={"version": "2", "percent": 130}, headers=_auth(OPERATOR))
+    assert r.status_code == 400 and "percent" in r.json()["error"]["message"]
+    with session_scope(db_url) as s:
+        assert queries.routes_for(s, "m") == {"1": 100}
+
+
+def test_cordon_and_fleet_view(client):
+    http, _ = client
+    assert http.post("/admin/replicas/m-r0/cordon", headers=_auth(OPERATOR)).json()["state"] == "cordoned"
+    fleet = http.get("/admin/fleet", headers=_auth(VIEWER)).json()
+    assert fleet["replicas"][0]["state"] == "cordoned" and fleet["routes"] == {"m": {"1": 100}}
+    r = http.post("/admin/replicas/m-r0/explode", headers=_auth(OPERATOR))
+    assert r.status_code == 404 and "cordon, drain, uncordon" in r.json()["error"]["message"]
