@@ -156,7 +156,7 @@ def stage_to_store(src: Path, uri: str, manifest: dict[str, dict[str, Any]]) -> 
                     bar.advance(task, len(chunk))
     for rel, meta in sorted(manifest.items()):
         h = hashlib.sha256()
-        with fs.open(f"{root}/{rel}", "rb") as fh:
+        with _open_read(fs, f"{root}/{rel}") as fh:
             while chunk := fh.read(CHUNK):
                 h.update(chunk)
         if h.hexdigest() != meta["sha256"]:
@@ -164,6 +164,14 @@ def stage_to_store(src: Path, uri: str, manifest: dict[str, dict[str, Any]]) -> 
     with fs.open(f"{root}/{MANIFEST}", "w") as fh:
         fh.write(json.dumps(manifest, indent=1, sort_keys=True))
     return uri
+
+
+def _open_read(fs: Any, path: str) -> Any:
+    """Open a store file for one sequential read (HTTP stores stream: no range requests needed)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if {"http", "https"} & set(protocols):
+        return fs.open(path, "rb", block_size=0)
+    return fs.open(path, "rb")
 
 
 def verify(root: Path, manifest: dict[str, dict[str, Any]], label: str) -> None:
@@ -192,7 +200,7 @@ def read_manifest(uri: str) -> dict[str, dict[str, Any]] | None:
         if is_local_uri(uri):
             return json.loads((local_path(uri) / MANIFEST).read_text())
         fs, root = fsspec.core.url_to_fs(uri)
-        with fs.open(f"{root}/{MANIFEST}", "r") as fh:
+        with _open_read(fs, f"{root}/{MANIFEST}") as fh:
             return json.loads(fh.read())
     except (OSError, json.JSONDecodeError, FileNotFoundError):
         return None
@@ -221,7 +229,7 @@ def fetch_from_store(uri: str, local_dir: Path, verify_checksums: bool = True) -
                 for rel in sorted(manifest):
                     out = tmp / rel
                     out.parent.mkdir(parents=True, exist_ok=True)
-                    with fs.open(f"{root}/{rel}", "rb") as fi, out.open("wb") as fo:
+                    with _open_read(fs, f"{root}/{rel}") as fi, out.open("wb") as fo:
                         while chunk := fi.read(CHUNK):
                             fo.write(chunk)
                             bar.advance(task, len(chunk))

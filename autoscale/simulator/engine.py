@@ -124,23 +124,23 @@ def run_simulation(policy: str, settings: SimSettings, inputs: SimInputs | None 
     rng = np.random.default_rng(s.seed + 99)
     cluster = Cluster({r.name: (r.nodes, r.gpus_per_node) for r in s.regions})
     fleets = [PoolFleet(region.name, model, cluster, rng, sv.drain_s) for region, model in pools]
-    defer_batch = policy == "ours"
+    tier_aware = policy == "ours"  # preempts batch within seconds; scales on interactive signals + batch deadlines
     measured = slice(inputs.measure_from, len(t))
     policies: list[Policy] = []
     for k, (region, model) in enumerate(pools):
         tr = inputs.traffic[k]
-        peak_work = float((tr.smooth_requests_per_s + tr.batch_submitted_per_s)[measured].max()) * w[k]
-        static_n = replicas_for_work(peak_work, sv.sizing_target_utilisation)
+        static_n = replicas_for_work(float(tr.smooth_requests_per_s[measured].max()) * w[k], sv.sizing_target_utilisation)
         fleet_max = region.nodes * region.gpus_per_node // model.gpus_per_replica
         policies.append(_make_policy(policy, inputs, k, fleets[k], static_n, fleet_max))
-        lam0 = tr.smooth_requests_per_s[0] + (0 if defer_batch else tr.batch_submitted_per_s[0])
-        start_n = static_n if policy == "static" else max(replicas_for_work(lam0 * w[k], sv.sizing_target_utilisation), 2)
-        fleets[k].bootstrap(start_n + (model.min_idle_replicas if policy == "ours" else 0))
+        start_n = static_n if policy == "static" else max(
+            replicas_for_work(tr.smooth_requests_per_s[0] * w[k], sv.sizing_target_utilisation), 2)
+        fleets[k].bootstrap(start_n + (model.min_idle_replicas if tier_aware else 0))
 
     n = len(t)
     rec = {key: np.zeros((n, K)) for key in ("alloc_gpus", "busy_gpus", "demand_gpus", "interactive", "slo_met",
                                               "tokens", "batch_tokens", "serving", "ttft_p95")}
     backlog = np.zeros(K)
+    held = np.zeros(K)  # batch work started last step that a non-preemptive engine must finish first
     batch_buckets: list[list[list[float]]] = [[] for _ in range(K)]
     batch_missed = np.zeros(K)
     for i in range(n):
@@ -150,63 +150,65 @@ def run_simulation(policy: str, settings: SimSettings, inputs: SimInputs | None 
         serving = np.array([len(f.serving) for f in fleets], dtype=float)
         lam_fg = np.array([tr.requests_per_s[i] for tr in inputs.traffic])
         lam_b = np.array([tr.batch_submitted_per_s[i] for tr in inputs.traffic])
-        lam_q = lam_fg if defer_batch else lam_fg + lam_b
-        batch_running = np.zeros(K)
-        if defer_batch:
-            for k in range(K):
-                if lam_b[k] > 0:
-                    deadline = now + wl.batch_deadline_h * 3600.0
-                    bk = batch_buckets[k]
-                    if bk and bk[-1][0] > deadline - 900.0:
-                        bk[-1][1] += lam_b[k] * w[k] * dt
-                    else:
-                        bk.append([deadline, lam_b[k] * w[k] * dt])
-                batch_running[k] = 1.0 if batch_buckets[k] else 0.0
-        q = ttft_stats(lam_q, serving, backlog, prompts.tokens, prompts.prob, slo_mask, wl.output_tokens_mean,
-                       prefill, decode, cfactor, sv.router_choice_width, sv.decode_interference, sv.iteration_s,
-                       sv.slo_ttft_s, batch_running * sv.batch_preempt_s)
-        demand = lam_q * w * dt + backlog
-        done = np.minimum(serving * dt, demand)
-        backlog = demand - done
-        batch_done = np.zeros(K)
-        if defer_batch:
-            spare = np.maximum(serving * BATCH_FILL_UTILISATION * dt - done, 0.0)
-            for k in range(K):
-                budget = spare[k]
+        for k in range(K):
+            if lam_b[k] > 0:
+                deadline = now + wl.batch_deadline_h * 3600.0
                 bk = batch_buckets[k]
-                while bk and budget > 0:
-                    take = min(budget, bk[0][1])
-                    bk[0][1] -= take
-                    budget -= take
-                    batch_done[k] += take
-                    if bk[0][1] <= 1e-9:
-                        bk.pop(0)
-                while bk and bk[0][0] < now:  # past its deadline: count as missed, keep serving it
-                    batch_missed[k] += bk[0][1] / w[k]
-                    bk[0][0] = math.inf
+                if bk and bk[-1][0] > deadline - 900.0:
+                    bk[-1][1] += lam_b[k] * w[k] * dt
+                else:
+                    bk.append([deadline, lam_b[k] * w[k] * dt])
+        batch_waiting = np.array([1.0 if bk else 0.0 for bk in batch_buckets])
+        fg_capacity = serving if tier_aware else np.maximum(serving - np.minimum(held / dt, serving), 0.0)
+        q = ttft_stats(lam_fg, fg_capacity, backlog, prompts.tokens, prompts.prob, slo_mask, wl.output_tokens_mean,
+                       prefill, decode, cfactor, sv.router_choice_width, sv.decode_interference, sv.iteration_s,
+                       sv.slo_ttft_s, batch_waiting * sv.batch_preempt_s if tier_aware else np.zeros(K))
+        demand = lam_fg * w * dt + backlog
+        done = np.minimum(fg_capacity * dt, demand)
+        backlog = demand - done
+        spare = np.maximum(serving * BATCH_FILL_UTILISATION * dt - done - (0 if tier_aware else held), 0.0)
+        batch_done = np.zeros(K)
+        for k in range(K):
+            budget, bk = spare[k], batch_buckets[k]
+            while bk and budget > 1e-9:
+                take = min(budget, bk[0][1])
+                bk[0][1] -= take
+                budget -= take
+                batch_done[k] += take
+                if bk[0][1] <= 1e-9:
+                    bk.pop(0)
+            while bk and bk[0][0] < now:  # past its deadline: count as missed, keep serving it
+                batch_missed[k] += bk[0][1] / w[k]
+                bk[0][0] = math.inf
+        busy_work = done + batch_done + (0 if tier_aware else held)
+        held = np.zeros(K) if tier_aware else batch_done
         alloc = np.array([f.allocated_gpus for f in fleets], dtype=float)
         rec["alloc_gpus"][i] = alloc
-        rec["busy_gpus"][i] = (done + batch_done) / dt * gpus
-        rec["demand_gpus"][i] = lam_q * w * gpus
+        rec["busy_gpus"][i] = busy_work / dt * gpus
+        rec["demand_gpus"][i] = lam_fg * w * gpus
         rec["interactive"][i] = lam_fg * wl.interactive_share * dt
         rec["slo_met"][i] = rec["interactive"][i] * q.slo_attainment
         rec["tokens"][i] = done / w * tok_per_req
-        rec["batch_tokens"][i] = batch_done / w * tok_per_req if defer_batch else lam_b * tok_per_req * dt * np.minimum(done / np.maximum(demand, 1e-12), 1)
+        rec["batch_tokens"][i] = batch_done / w * tok_per_req
         rec["serving"][i] = serving
         rec["ttft_p95"][i] = q.ttft_p95_s
-        conc = lam_q / np.maximum(serving, 1) * (q.mean_ttft_s + wl.output_tokens_mean / sv.stream_tokens_per_s)
+        conc = lam_fg / np.maximum(serving, 1) * (q.mean_ttft_s + wl.output_tokens_mean / sv.stream_tokens_per_s)
+        if not tier_aware:  # tier-blind signals see batch streams as load too
+            conc = conc + batch_done / dt / np.maximum(serving, 1) / w * wl.output_tokens_mean / sv.stream_tokens_per_s
         kv = np.minimum(conc * (prompts.mean + wl.output_tokens_mean / 2) / kv_cap, 1.0)
-        duty = np.where(batch_running > 0, 1.0, 1.0 - np.exp(-conc))
-        load = np.minimum(lam_q * w / np.maximum(serving, 1e-9), 1.0)
+        duty = np.where(batch_done > 0, 1.0, 1.0 - np.exp(-conc))
+        seen_work = lam_fg * w + (0 if tier_aware else batch_done / dt)
+        load = np.minimum(seen_work / np.maximum(serving, 1e-9), 1.0)
         for k, f in enumerate(fleets):
             sig = Signals(model=f.model.name, serving=int(serving[k]), kv_utilisation=float(kv[k]),
                           running=float(conc[k] * serving[k]), waiting=float(backlog[k] > 1e-6),
                           ttft_p95_s=float(q.ttft_p95_s[k]), queue_wait_p95_s=float(q.queue_wait_p95_s[k]),
                           requests_per_s=float(lam_fg[k]), load=float(load[k]), gpu_util=float(duty[k]),
                           slo_ttft_s=sv.slo_ttft_s)
-            if policy == "ours":
+            req = 0.0
+            if tier_aware:
                 inputs.forecasters[k].observe(now - inputs.history_end_s, float(lam_fg[k]), dt)
-            req = _batch_required(batch_buckets[k], now) if defer_batch else 0.0
+                req = _batch_required(batch_buckets[k], now)
             state = PoolState(now, len(f.serving), len(f.starting), sig, req)
             f.scale_to(policies[k].decide(state), now)
         if progress and i % 360 == 0:
@@ -224,7 +226,7 @@ def _summarise(policy: str, s: SimSettings, inputs: SimInputs, rec: dict, fleets
     hours = (inputs.t_s[m:] - inputs.t_s[m]) / 3600.0
     alloc, busy = rec["alloc_gpus"][m:].sum(axis=1), rec["busy_gpus"][m:].sum(axis=1)
     inter, met = rec["interactive"][m:].sum(axis=1), rec["slo_met"][m:].sum(axis=1)
-    tokens = rec["tokens"][m:].sum(axis=1) + (rec["batch_tokens"][m:].sum(axis=1) if policy == "ours" else 0.0)
+    tokens = rec["tokens"][m:].sum(axis=1) + rec["batch_tokens"][m:].sum(axis=1)
     gpu_hours = float(alloc.sum() * dt / 3600.0)
     price = float(s.assumptions.get("gpu_hour_price_usd", 2.5))
     sizing = peak_sizing(s.models, s.workload.peak_requests_per_s, inputs.workload.prompts.mean,
