@@ -1,17 +1,40 @@
-"""Admin UI entry point: `streamlit run admin_ui/app.py`. The home page lists models, versions and routes."""
+"""Admin UI entry point: `streamlit run admin_ui/app.py` (started by `fleet up` on FLEET_ADMIN_UI_PORT).
+
+A multipage app: the Login page until a token is accepted, then Fleet, Models & rollouts, Warm buffers &
+autoscaling, Chargeback and Capacity. Each page is one file under admin_ui/pages/ and only lays out what
+admin_ui/data.py, usage_data.py and capacity.py return; writes go through the router's admin API.
+"""
 import streamlit as st
 
-from admin_ui.data import models_frame
+from admin_ui import session
 
-st.set_page_config(page_title="LLM fleet", layout="wide")
-st.title("LLM fleet")
-st.subheader("Models, versions and routes")
-try:
-    frame = models_frame()
-except Exception as exc:  # the registry may be down: say so, keep the page up
-    st.error(f"The registry cannot be read: {exc}")
+st.set_page_config(page_title="LLM fleet admin", page_icon=":material/dns:", layout="wide")
+
+login_page = st.Page("pages/login.py", title="Login", icon=":material/login:", url_path="login")
+if session.role() in session.ROLES:
+    fleet_page = st.Page("pages/fleet.py", title="Fleet", icon=":material/dns:", url_path="fleet", default=True)
+    pages = {
+        "Operate": [
+            fleet_page,
+            st.Page("pages/rollouts.py", title="Models & rollouts", icon=":material/alt_route:", url_path="rollouts"),
+            st.Page("pages/buffers.py", title="Warm buffers & autoscaling", icon=":material/speed:",
+                    url_path="buffers"),
+        ],
+        "Plan & bill": [
+            st.Page("pages/chargeback.py", title="Chargeback", icon=":material/payments:", url_path="chargeback"),
+            st.Page("pages/capacity.py", title="Capacity", icon=":material/monitoring:", url_path="capacity"),
+        ],
+        "Account": [login_page],
+    }
+    with st.sidebar:
+        st.markdown(f"Signed in as **{session.role()}**")
+        if st.button("Sign out", key="sign_out"):
+            session.logout()
+            st.rerun()
 else:
-    if frame.empty:
-        st.info("No model versions are registered yet. Run `make up` or `build-engines`.")
-    else:
-        st.dataframe(frame, hide_index=True, use_container_width=True)
+    pages = [login_page]
+
+current = st.navigation(pages)
+if st.session_state.pop("just_signed_in", False):
+    st.switch_page(fleet_page)
+current.run()

@@ -115,16 +115,36 @@ class SignalsPolicy(Policy):
     name = "reactive-signals"
 
     def __init__(self, guard: ScalingGuard, target_load: float = 0.85, target_kv: float = 0.8,
-                 ttft_fraction: float = 0.8, queue_wait_s: float = 0.2, breach_step: float = 0.1) -> None:
+                 ttft_fraction: float = 0.8, queue_wait_s: float = 0.2, breach_step: float = 0.1,
+                 smoothing_halflife_s: float = 30.0) -> None:
         super().__init__(guard)
         self.target_load, self.target_kv = target_load, target_kv
         self.ttft_fraction, self.queue_wait_s, self.breach_step = ttft_fraction, queue_wait_s, breach_step
+        self.halflife_s = smoothing_halflife_s
+        self._work: float | None = None  # EWMA of busy replicas (load x serving)
+        self._kv_work: float | None = None
+        self._last_s: float | None = None
+
+    def _smooth(self, state: PoolState) -> tuple[float, float]:
+        """EWMA of the busy-replica equivalents so one noisy report does not start replicas."""
+        sig = state.signals
+        work, kv_work = sig.load * state.serving, sig.kv_utilisation * state.serving
+        if self._work is None or self._last_s is None:
+            self._work, self._kv_work = work, kv_work
+        else:
+            alpha = 1.0 - 0.5 ** (max(state.now_s - self._last_s, 0.0) / self.halflife_s)
+            self._work += alpha * (work - self._work)
+            self._kv_work += alpha * (kv_work - self._kv_work)
+        self._last_s = state.now_s
+        return self._work, self._kv_work
 
     def reactive_need(self, state: PoolState) -> int:
         sig = state.signals
-        base = max(state.serving, 1)
-        need = math.ceil(base * max(sig.load / self.target_load, sig.kv_utilisation / self.target_kv) - 1e-9)
-        if sig.ttft_ratio > self.ttft_fraction or sig.queue_wait_p95_s > self.queue_wait_s or (sig.waiting > 0 and sig.load >= 0.99):
+        work, kv_work = self._smooth(state)
+        need = math.ceil(max(work / self.target_load, kv_work / self.target_kv) - 1e-9)
+        breach = (sig.ttft_ratio > self.ttft_fraction or sig.queue_wait_p95_s > self.queue_wait_s
+                  or (sig.waiting > 0 and sig.load >= 0.99))
+        if breach and state.starting == 0:  # replicas already starting will relieve it; do not pile on
             need = max(need, state.total + max(1, math.ceil(self.breach_step * state.total)))
         return need
 
@@ -138,8 +158,10 @@ class ForecastPolicy(SignalsPolicy):
     name = "ours"
 
     def __init__(self, guard: ScalingGuard, forecast_need: Callable[[float], float], cold_start_s: Callable[[], float],
-                 warm_buffer: int, replica_seconds_per_request: float, target_load: float = 0.85, **kwargs) -> None:
+                 warm_buffer: int, replica_seconds_per_request: float, target_load: float = 0.85,
+                 burst_buffer_fraction: float = 0.0, **kwargs) -> None:
         super().__init__(guard, target_load=target_load, **kwargs)
+        self.burst_buffer_fraction = burst_buffer_fraction
         self.forecast_rps = forecast_need
         self.cold_start_s = cold_start_s
         self.warm_buffer = warm_buffer
@@ -153,4 +175,9 @@ class ForecastPolicy(SignalsPolicy):
         batch = state.batch_required / self.target_load
         fg_work = state.signals.load * state.serving
         with_batch = math.ceil((max(fg_work, ahead * self.w) + state.batch_required) / self.target_load - 1e-9) if batch else 0
-        return max(reactive, forecast, with_batch) + self.warm_buffer
+        need = max(reactive, forecast, with_batch)
+        # Warm buffer: the registry's min idle replicas, or a share of the need that covers a burst
+        # arriving during one cold start (longer cold start, bigger share), whichever is larger.
+        # Batch work keeps these replicas busy until interactive traffic preempts it.
+        share = self.burst_buffer_fraction * lead / 180.0
+        return need + max(self.warm_buffer, math.ceil(share * need))

@@ -113,6 +113,14 @@ def link_or_copy_tree(src: Path, dst: Path, label: str) -> str:
         return "copy"
 
 
+def clean_stale_partials(vdir: Path, uri: str) -> None:
+    """Remove half-written folders that a killed build (SIGKILL, power loss) left next to the version's."""
+    dirs = [vdir] + ([stage.local_path(uri)] if stage.is_local_uri(uri) else [])
+    for d in dirs:
+        for p in d.parent.glob(f".{d.name}.partial-*") if d.parent.exists() else []:
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def artefacts_ok(settings: Settings, model: str, version: str, uri: str) -> bool:
     vdir = version_dir(settings, model, version)
     return (((vdir / "weights" / stage.MANIFEST).is_file() or (vdir / stage.MANIFEST).is_file())
@@ -150,6 +158,7 @@ def build(opts: BuildOptions, settings: Settings, db_url: str | None = None) -> 
         if not held:
             raise BuildError("--version", f"another build-engines is building {opts.model} version {opts.version} "
                                           "right now; wait for it to finish")
+        clean_stale_partials(vdir, uri)
         reg = Registration(db_url, opts.model, opts.version)
         existing = check_existing(db_url, opts.model, opts.version, fingerprint, opts.force,
                                   artefacts_ok(settings, opts.model, opts.version, uri))
@@ -209,3 +218,29 @@ def build(opts: BuildOptions, settings: Settings, db_url: str | None = None) -> 
                        f"(conversion cache {'hit' if hit else 'miss'})",
                        files={"repository": str(vdir / "model_repository"), "weights": str(vdir / "weights"),
                               "weights_uri": uri})
+
+
+def ensure_node_local(settings: Settings, model: str, version: str, db_url: str | None = None,
+                      store: str | None = None) -> Path:
+    """The version's Triton repository on this node, filling the node-local cache from the weights store
+    when it is missing (a fresh node) and re-rendering the repository for this node's paths (cpu target).
+
+    Returns the repository path to hand to `tritonserver`. Checksums are verified against the store's manifest.
+    `store` reads the same staged copy through another URL (e.g. an HTTP view of the store).
+    """
+    row = read_row(db_url or settings.db_url, model, version)
+    if row is None or row["status"] not in ("staged", "serving", "draining"):
+        raise BuildError("--version", f"{model} version {version} is not staged "
+                                      f"(status {row['status'] if row else 'missing'})")
+    vdir, uri = version_dir(settings, model, version), store or row["weights_uri"]
+    if row["engine_kind"] != "cpu":
+        if not (vdir / stage.MANIFEST).is_file():
+            stage.fetch_from_store(uri, vdir)
+        return vdir / "model_repository"
+    stage.fetch_from_store(uri, vdir / "weights")
+    repo = vdir / "model_repository"
+    if not (repo / "llm" / "config.pbtxt").is_file():
+        values = triton_repo.cpu_values(vdir / "weights", settings.data_dir / "adapters", row["max_context"],
+                                        row["dtype"])
+        triton_repo.render_repository(repo, values)
+    return repo

@@ -162,7 +162,7 @@ def _run(cmd: list[str], log: Path, label: str) -> float:
 
 def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str) -> Any:
     """Validate, then either print the plan (--dry-run) or run it, stage it and register it."""
-    from build_engines.build import BuildResult, artefacts_ok, store_uri, version_dir
+    from build_engines.build import BuildResult, store_uri, version_dir
 
     ckpt = inspect_checkpoint(opts.checkpoint)
     if ckpt.kind != "hf":
@@ -191,6 +191,19 @@ def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str) -> Any:
     if problems:
         raise BuildError("--target", "cannot run the TensorRT-LLM build here: " + "; ".join(problems) +
                          f". Run it on a GPU node inside {TRITON_IMAGE} (docs/build_engines.md), or use --dry-run")
+    with stage.file_lock(vdir.with_name(f".{opts.version}.lock"), blocking=False) as held:
+        if not held:
+            raise BuildError("--version", f"another build-engines is building {opts.model} version "
+                                          f"{opts.version} right now; wait for it to finish")
+        return _run_build(opts, settings, db_url, ckpt, plan, vdir, work, tp_plan, uri)
+
+
+def _run_build(opts: BuildOptions, settings: Settings, db_url: str, ckpt: Any, plan: BuildPlan, vdir: Path,
+               work: Path, tp_plan: TrtllmPlan, uri: str) -> Any:
+    """The real TensorRT-LLM build (GPU node), under the version's lock."""
+    from build_engines.build import BuildResult, artefacts_ok, clean_stale_partials
+
+    clean_stale_partials(vdir, uri)
     sha = stage.checkpoint_sha256(ckpt.path, settings.cache_dir / "checksums.json")
     fields = plan.fingerprint_fields(sha)
     fingerprint = inputs_fingerprint(fields)

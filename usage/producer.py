@@ -28,13 +28,22 @@ log = logging.getLogger(__name__)
 BATCH_RECORDS = 5000
 IDLE_WAIT_S = 0.05
 BACKOFF_MAX_S = 5.0
+# After a send failure, events acknowledged in the last REPLAY_WINDOW_S are sent again once the broker is
+# back: a broker that came back without its log (in-memory tansu) has lost those the loader had not read.
+# Costs duplicates in Kafka after an outage, which the loader drops; must exceed the loader's lag.
+REPLAY_WINDOW_S = 30.0
+
+
+class _Rewound(Exception):
+    """The spool was rewound for a replay: the batch in hand is stale."""
 
 
 class UsageProducer:
-    def __init__(self, bootstrap_servers: str, spool_dir: Path, topic: str = "llm.usage.v1") -> None:
+    def __init__(self, bootstrap_servers: str, spool_dir: Path, topic: str = "llm.usage.v1",
+                 replay_window_s: float = REPLAY_WINDOW_S) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
-        self.spool = Spool(Path(spool_dir))
+        self.spool = Spool(Path(spool_dir), replay_window_s=replay_window_s)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -42,6 +51,7 @@ class UsageProducer:
         self._idle = threading.Condition()
         self.sent = 0          # records acknowledged by the broker since start (duplicates included)
         self.send_failures = 0  # batches that failed and were retried from the spool
+        self.replayed = 0       # acknowledged events sent again after a failure (see REPLAY_WINDOW_S)
         self.last_error: str | None = None
 
     # ---- request path ---------------------------------------------------------------------------
@@ -98,6 +108,8 @@ class UsageProducer:
                 continue
             try:
                 self._send(batch)
+            except _Rewound:
+                continue  # read again from the rewound position
             except Exception as exc:  # broker down, topic gone, producer fenced: resend from the spool
                 self.send_failures += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
@@ -108,13 +120,19 @@ class UsageProducer:
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
                 continue
             backoff = 0.2
-            self.spool.ack(batch[-1].end, len(batch))
             self.sent += len(batch)
+            self.spool.ack(batch[-1].end, len(batch))
 
     def _send(self, batch) -> None:
         if self._kafka is None:
             ensure_topics(self.bootstrap_servers, [self.topic])
             self._kafka = make_producer(self.bootstrap_servers, client_id="usage-producer")
+            if self.send_failures:
+                replay = self.spool.rewind()
+                if replay:
+                    self.replayed += replay
+                    log.warning("usage broker reconnected: re-sending %d recently acknowledged events", replay)
+                    raise _Rewound()
         futures = [self._kafka.send(self.topic, key=r.key, value=r.value) for r in batch]
         self._kafka.flush(timeout=15)
         for fut in futures:

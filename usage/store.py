@@ -81,7 +81,9 @@ LOCK_RETRY_S = 30.0
 
 
 def _is_lock_error(exc: Exception) -> bool:
-    return "lock" in str(exc).lower()
+    # Another process holds the file lock, or (same process) a connection with another read_only mode.
+    text = str(exc).lower()
+    return "lock" in text or "different configuration" in text
 
 
 @contextmanager
@@ -100,7 +102,7 @@ def connect(store_path: Path, read_only: bool = False, timeout_s: float = LOCK_R
         try:
             con = duckdb.connect(str(store_path), read_only=read_only)
             break
-        except duckdb.IOException as exc:
+        except (duckdb.IOException, duckdb.ConnectionException) as exc:
             if not _is_lock_error(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(delay)

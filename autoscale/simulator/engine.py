@@ -27,7 +27,8 @@ from autoscale.simulator.settings import POLICIES, SimSettings
 from autoscale.simulator.workload import DAY_S, PoolTraffic, WorkloadModel
 
 log = logging.getLogger(__name__)
-BATCH_FILL_UTILISATION = 0.92
+BATCH_FILL_UTILISATION = 0.92  # batch fills serving replicas up to this busy fraction
+BATCH_HOLD_FRACTION = 0.5  # non-preemptive engines: share of admitted batch work still running next step
 
 
 @dataclass
@@ -89,16 +90,22 @@ def _make_policy(name: str, inputs: SimInputs, k: int, fleet: PoolFleet, static_
                              down_window_s=600, down_step_fraction=0.05, down_step_interval_s=120)
         return ForecastPolicy(guard, forecast_need=lambda now: float(fc.predict(now - inputs.history_end_s)),
                               cold_start_s=fleet.cold_start_estimate, warm_buffer=model.min_idle_replicas,
-                              replica_seconds_per_request=w)
+                              replica_seconds_per_request=w,
+                              burst_buffer_fraction=float(inputs.settings.serving.burst_buffer_fraction))
     raise ValueError(f"unknown policy {name!r}; choose from {POLICIES}")
 
 
+BATCH_URGENT_S = 4 * 3600.0
+
+
 def _batch_required(buckets: list[list[float]], now: float) -> float:
-    """Replica-s/s the batch backlog needs so every bucket meets its deadline (EDF feasibility)."""
+    """Replica-s/s the batch backlog needs so every bucket due within BATCH_URGENT_S meets its deadline
+    (EDF feasibility). Work due later is left to spare capacity (nights), so batch never adds to the peak."""
     need, cum = 0.0, 0.0
     for deadline, remaining in buckets:
         cum += remaining
-        need = max(need, cum / max(deadline - now, 60.0))
+        if deadline - now <= BATCH_URGENT_S:
+            need = max(need, cum / max(deadline - now, 60.0))
     return need
 
 
@@ -137,6 +144,8 @@ def run_simulation(policy: str, settings: SimSettings, inputs: SimInputs | None 
         fleets[k].bootstrap(start_n + (model.min_idle_replicas if tier_aware else 0))
 
     n = len(t)
+    fg_rates = np.stack([tr.requests_per_s for tr in inputs.traffic], axis=1)
+    batch_rates = np.stack([tr.batch_submitted_per_s for tr in inputs.traffic], axis=1)
     rec = {key: np.zeros((n, K)) for key in ("alloc_gpus", "busy_gpus", "demand_gpus", "interactive", "slo_met",
                                               "tokens", "batch_tokens", "serving", "ttft_p95")}
     backlog = np.zeros(K)
@@ -148,8 +157,7 @@ def run_simulation(policy: str, settings: SimSettings, inputs: SimInputs | None 
         for f in fleets:
             f.advance(now)
         serving = np.array([len(f.serving) for f in fleets], dtype=float)
-        lam_fg = np.array([tr.requests_per_s[i] for tr in inputs.traffic])
-        lam_b = np.array([tr.batch_submitted_per_s[i] for tr in inputs.traffic])
+        lam_fg, lam_b = fg_rates[i], batch_rates[i]
         for k in range(K):
             if lam_b[k] > 0:
                 deadline = now + wl.batch_deadline_h * 3600.0
@@ -166,8 +174,8 @@ def run_simulation(policy: str, settings: SimSettings, inputs: SimInputs | None 
         demand = lam_fg * w * dt + backlog
         done = np.minimum(fg_capacity * dt, demand)
         backlog = demand - done
-        spare = np.maximum(serving * BATCH_FILL_UTILISATION * dt - done - (0 if tier_aware else held), 0.0)
-        batch_done = np.zeros(K)
+        spare = np.maximum(serving * BATCH_FILL_UTILISATION * dt - done - held, 0.0)
+        batch_done = np.zeros(K)  # batch work admitted this step (taken off the backlog)
         for k in range(K):
             budget, bk = spare[k], batch_buckets[k]
             while bk and budget > 1e-9:
@@ -180,8 +188,12 @@ def run_simulation(policy: str, settings: SimSettings, inputs: SimInputs | None 
             while bk and bk[0][0] < now:  # past its deadline: count as missed, keep serving it
                 batch_missed[k] += bk[0][1] / w[k]
                 bk[0][0] = math.inf
-        busy_work = done + batch_done + (0 if tier_aware else held)
-        held = np.zeros(K) if tier_aware else batch_done
+        # Non-preemptive engines (baselines): half of the batch admitted now is still decoding next step
+        # and holds capacity interactive arrivals cannot take. Ours preempts, so nothing is held.
+        hold = 0.0 if tier_aware else BATCH_HOLD_FRACTION
+        progress_now = held + batch_done * (1.0 - hold)
+        busy_work = done + progress_now
+        held = batch_done * hold
         alloc = np.array([f.allocated_gpus for f in fleets], dtype=float)
         rec["alloc_gpus"][i] = alloc
         rec["busy_gpus"][i] = busy_work / dt * gpus
@@ -189,15 +201,15 @@ def run_simulation(policy: str, settings: SimSettings, inputs: SimInputs | None 
         rec["interactive"][i] = lam_fg * wl.interactive_share * dt
         rec["slo_met"][i] = rec["interactive"][i] * q.slo_attainment
         rec["tokens"][i] = done / w * tok_per_req
-        rec["batch_tokens"][i] = batch_done / w * tok_per_req
+        rec["batch_tokens"][i] = progress_now / w * tok_per_req
         rec["serving"][i] = serving
         rec["ttft_p95"][i] = q.ttft_p95_s
         conc = lam_fg / np.maximum(serving, 1) * (q.mean_ttft_s + wl.output_tokens_mean / sv.stream_tokens_per_s)
         if not tier_aware:  # tier-blind signals see batch streams as load too
-            conc = conc + batch_done / dt / np.maximum(serving, 1) / w * wl.output_tokens_mean / sv.stream_tokens_per_s
+            conc = conc + progress_now / dt / np.maximum(serving, 1) / w * wl.output_tokens_mean / sv.stream_tokens_per_s
         kv = np.minimum(conc * (prompts.mean + wl.output_tokens_mean / 2) / kv_cap, 1.0)
-        duty = np.where(batch_done > 0, 1.0, 1.0 - np.exp(-conc))
-        seen_work = lam_fg * w + (0 if tier_aware else batch_done / dt)
+        duty = np.where(progress_now > 0, 1.0, 1.0 - np.exp(-conc))
+        seen_work = lam_fg * w + (0 if tier_aware else progress_now / dt)
         load = np.minimum(seen_work / np.maximum(serving, 1e-9), 1.0)
         for k, f in enumerate(fleets):
             sig = Signals(model=f.model.name, serving=int(serving[k]), kv_utilisation=float(kv[k]),
@@ -231,7 +243,6 @@ def _summarise(policy: str, s: SimSettings, inputs: SimInputs, rec: dict, fleets
     price = float(s.assumptions.get("gpu_hour_price_usd", 2.5))
     sizing = peak_sizing(s.models, s.workload.peak_requests_per_s, inputs.workload.prompts.mean,
                          s.workload.output_tokens_mean, s.serving.sizing_target_utilisation)
-    backlog_left = sum(r for bk in batch_buckets for _, r in bk)
     summary = {
         "policy": policy,
         "gpu_hours": gpu_hours,
@@ -240,19 +251,22 @@ def _summarise(policy: str, s: SimSettings, inputs: SimInputs, rec: dict, fleets
         "tokens_total": float(tokens.sum()),
         "tokens_per_gpu_hour": float(tokens.sum() / gpu_hours),
         "peak_gpus_allocated": int(alloc.max()),
+        "peak_gpus_allocated_5min": int(pd.Series(alloc).rolling(max(1, int(300 / dt))).mean().max()),
         "mean_gpus_allocated": float(alloc.mean()),
         "min_gpus_allocated": int(alloc.min()),
         "requirements_peak_estimate_gpus": sizing.total_gpus,
-        "peak_vs_estimate": float(alloc.max() / sizing.total_gpus - 1.0),
+        "peak_hour_gpus_allocated": float(pd.Series(alloc).groupby(np.floor(hours).astype(int)).mean().max()),
+        "peak_vs_estimate": float(pd.Series(alloc).groupby(np.floor(hours).astype(int)).mean().max() / sizing.total_gpus - 1.0),
+        "peak_5min_vs_estimate": float(pd.Series(alloc).rolling(max(1, int(300 / dt))).mean().max() / sizing.total_gpus - 1.0),
         "cost_usd": gpu_hours * price,
         "replica_starts": int(sum(f.starts for f in fleets)),
         "replica_drains": int(sum(f.drains for f in fleets)),
         "placement_failures": int(sum(f.placement_failures for f in fleets)),
         "batch_requests_missed_deadline": float(batch_missed.sum()),
         "batch_backlog_requests_at_end": float(sum(sum(r for _, r in bk) / w[k] for k, bk in enumerate(batch_buckets))),
+        "batch_tokens": float(rec["batch_tokens"][m:].sum()),
         "horizon_h": s.horizon_h,
     }
-    del backlog_left
     frame = pd.DataFrame({"hour": np.floor(hours).astype(int), "alloc": alloc, "busy": busy, "inter": inter,
                           "met": met, "tokens": tokens})
     g = frame.groupby("hour")
@@ -269,6 +283,9 @@ def _summarise(policy: str, s: SimSettings, inputs: SimInputs, rec: dict, fleets
                              "gpus_busy": rec["busy_gpus"][sl].sum(axis=1),
                              "gpus_demand": rec["demand_gpus"][sl].sum(axis=1),
                              "ttft_p95_s": rec["ttft_p95"][sl].max(axis=1)})
+    for k, f in enumerate(fleets):
+        timeline[f"gpus_{f.region}_{f.model.name}"] = rec["alloc_gpus"][sl, k]
+        timeline[f"busy_{f.region}_{f.model.name}"] = rec["busy_gpus"][sl, k]
     pools = [{"region": f.region, "model": f.model.name, "starts": f.starts, "drains": f.drains,
               "peak_gpus": int(rec["alloc_gpus"][m:, k].max()),
               "slo_attainment": float(rec["slo_met"][m:, k].sum() / rec["interactive"][m:, k].sum())}

@@ -28,6 +28,7 @@ class PoolFleet:
     drains: int = 0
     placement_failures: int = 0
     cold_starts_s: list[float] = field(default_factory=list)
+    _cold_estimate: float | None = None
 
     @property
     def total(self) -> int:
@@ -67,6 +68,7 @@ class PoolFleet:
                     break
                 cold = float(self.rng.uniform(*self.model.cold_start_s))
                 self.cold_starts_s.append(cold)
+                self._cold_estimate = None
                 self.starting.append((now_s + cold, slot))
                 self.starts += 1
         elif desired < self.total:
@@ -84,6 +86,7 @@ class PoolFleet:
 
     def cold_start_estimate(self) -> float:
         """Cold-start time the controller plans with: p90 of measured starts, else the model's upper bound."""
-        if len(self.cold_starts_s) >= 5:
-            return float(np.percentile(self.cold_starts_s[-50:], 90))
-        return float(self.model.cold_start_s[1])
+        if self._cold_estimate is None:
+            self._cold_estimate = (float(np.percentile(self.cold_starts_s[-50:], 90)) if len(self.cold_starts_s) >= 5
+                                   else float(self.model.cold_start_s[1]))
+        return self._cold_estimate

@@ -52,6 +52,7 @@ class Serving:
     batch_preempt_s: float
     drain_s: float
     sizing_target_utilisation: float
+    burst_buffer_fraction: float = 0.0
 
 
 @dataclass
@@ -60,7 +61,7 @@ class SimSettings:
 
     assumptions: dict = field(default_factory=lambda: json.loads(DEFAULT_ASSUMPTIONS.read_text()))
     horizon_h: float = 24.0
-    warmup_h: float = 6.0
+    warmup_h: float = 15.0  # from 09:00 the day before: the previous day's batch backlog is in flight
     step_s: float = 10.0
     seed: int = 7
     history_weeks: int = 3

@@ -55,16 +55,17 @@ class PromptBins:
     mean: float
 
     @classmethod
-    def lognormal(cls, mean: float, sigma: float, cap: float, n_bins: int = 24) -> "PromptBins":
-        from scipy.stats import lognorm
+    def lognormal(cls, mean: float, sigma: float, cap: float, n_bins: int = 16) -> "PromptBins":
+        from scipy.stats import norm
 
         mu = math.log(mean) - sigma ** 2 / 2
-        dist = lognorm(s=sigma, scale=math.exp(mu))
         edges = np.geomspace(8.0, cap, n_bins + 1)
-        cdf = dist.cdf(edges)
-        cdf[0], cdf[-1] = 0.0, 1.0  # mass below 8 goes to the first bin, above the cap to the last
+        z = (np.log(edges) - mu) / sigma
+        cdf, partial = norm.cdf(z), norm.cdf(z - sigma)  # partial: share of E[X] below each edge
+        cdf[0], cdf[-1], partial[0] = 0.0, 1.0, 0.0  # mass below 8 joins the first bin, above the cap the last
         prob = np.diff(cdf)
-        tokens = np.sqrt(edges[:-1] * edges[1:])
+        tokens = np.clip(mean * np.diff(partial) / np.maximum(prob, 1e-300), edges[:-1], edges[1:])  # E[X | bin]
+        tokens[-1] = cap if prob[-1] > 0 and tokens[-1] >= cap else tokens[-1]
         return cls(tokens, prob, float((tokens * prob).sum()))
 
 

@@ -105,6 +105,10 @@ class LLMEngine:
         self._finish(seq, reason)
         self._pending.append(StepOutput(seq, [], reason.value))
 
+    def take_pending(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        return outputs
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
 

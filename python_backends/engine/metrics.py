@@ -72,8 +72,16 @@ class TritonMetrics:
 
     def __init__(self, pb_utils: Any, labels: dict[str, str]):
         fam = pb_utils.MetricFamily
-        gauge = lambda n, d: fam(name=n, description=d, kind=fam.GAUGE).Metric(labels=labels)  # noqa: E731
-        counter = lambda n, d: fam(name=n, description=d, kind=fam.COUNTER).Metric(labels=labels)  # noqa: E731
+        # Triton requires each MetricFamily to outlive its Metrics: keep them all referenced.
+        self._families: list[Any] = []
+
+        def make(name: str, desc: str, kind: Any, **kw: Any) -> Any:
+            family = fam(name=name, description=desc, kind=kind)
+            self._families.append(family)
+            return family.Metric(labels=labels, **kw)
+
+        gauge = lambda n, d: make(n, d, fam.GAUGE)  # noqa: E731
+        counter = lambda n, d: make(n, d, fam.COUNTER)  # noqa: E731
         self.kv_used = gauge("fleet_engine_kv_blocks_used", "KV blocks referenced by sequences")
         self.kv_free = gauge("fleet_engine_kv_blocks_free", "KV blocks free (blank or evictable cached)")
         self.running = gauge("fleet_engine_running", "sequences running")
@@ -85,10 +93,9 @@ class TritonMetrics:
         self.adapters = gauge("fleet_engine_adapters_loaded", "LoRA adapters resident")
         try:
             hist = fam.HISTOGRAM
-            self.ttft = fam(name="fleet_engine_ttft_seconds", description="time to first token",
-                            kind=hist).Metric(labels=labels, buckets=TTFT_BUCKETS)
-            self.itl = fam(name="fleet_engine_inter_token_latency_seconds", description="inter-token latency",
-                           kind=hist).Metric(labels=labels, buckets=ITL_BUCKETS)
+            self.ttft = make("fleet_engine_ttft_seconds", "time to first token", hist, buckets=TTFT_BUCKETS)
+            self.itl = make("fleet_engine_inter_token_latency_seconds", "inter-token latency", hist,
+                            buckets=ITL_BUCKETS)
         except Exception:   # an older python_backend without histograms: fall back to no-op observers
             self.ttft = self.itl = _NoHistogram()
         self._preempt_seen = 0

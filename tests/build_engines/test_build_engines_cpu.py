@@ -89,10 +89,12 @@ def test_failure_midway_leaves_a_failed_row_and_nothing_routable(be_settings: Se
     model_dir = be_settings.engines_dir / "smollm2-135m"
     assert not (model_dir / "2").exists()
     assert not [p for p in model_dir.iterdir() if ".partial" in p.name]
-    with session_scope(sqlite_url) as s:  # the registry refuses nothing here; staged is the routable gate
-        assert _statuses(sqlite_url, "smollm2-135m/2")[-1] == "build_failed"
+    assert _statuses(sqlite_url, "smollm2-135m/2")[-1] == "build_failed"
     monkeypatch.undo()
+    killed = model_dir / ".2.partial-deadbeef"  # what a SIGKILLed build would leave behind
+    (killed / "weights").mkdir(parents=True)
     retry = build(_opts(), be_settings, sqlite_url)  # a failed version may be rebuilt without --force
+    assert not killed.exists()
     assert retry.outcome == "built" and retry.row["status"] == "staged"
 
 
@@ -147,3 +149,41 @@ def test_cli_exit_codes_and_messages(be_settings: Settings, smollm2_dir: Path, t
     assert bad.returncode == 2 and "--version" in bad.stderr and "--force" in bad.stderr
     typo = subprocess.run(cmd[:-2] + ["--dtype", "fp4"], capture_output=True, text=True, timeout=240)
     assert typo.returncode == 2 and "'fp4' is not supported" in typo.stderr
+
+
+def test_fresh_node_refills_its_cache_from_the_store(be_settings: Settings, sqlite_url: str,
+                                                     smollm2_dir: Path) -> None:
+    """A node without the version's folder gets it back from the weights store, checksums verified."""
+    import shutil
+    from build_engines.build import ensure_node_local
+    row = build(_opts(), be_settings, sqlite_url).row
+    vdir = be_settings.engines_dir / "smollm2-135m" / "2"
+    shutil.rmtree(vdir)
+    repo = ensure_node_local(be_settings, "smollm2-135m", "2", sqlite_url)
+    assert repo == Path(row["repository_path"])
+    stage.verify(vdir / "weights", row["build_info"]["files"], "refilled")
+    assert f'"{vdir / "weights"}"' in (repo / "engine" / "config.pbtxt").read_text()
+    with pytest.raises(BuildError, match="not staged"):
+        ensure_node_local(be_settings, "smollm2-135m", "9", sqlite_url)
+
+
+def test_sigterm_mid_conversion_records_failed(tmp_path: Path) -> None:
+    """A real SIGTERM while converting (empty conversion cache): exit 130, row `failed`, nothing published."""
+    import os
+    import signal
+    import time
+    env = dict(os.environ, FLEET_DATA_DIR=str(tmp_path / "data"), FLEET_CACHE_DIR=str(tmp_path / "cache"))
+    db = f"sqlite:///{tmp_path / 'sig.sqlite'}"
+    proc = subprocess.Popen([sys.executable, "-m", "build_engines.cli", "--model", "smollm2-135m", "--version", "7",
+                             "--checkpoint", "smollm2", "--db-url", db], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not list((tmp_path / "cache").glob("*.lock")):
+        time.sleep(0.2)  # the conversion has started once its lock file exists
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    row = read_row(db, "smollm2-135m", "7")
+    assert row["status"] == "failed" and "interrupted during convert" in row["status_reason"]
+    assert not (tmp_path / "data" / "engines" / "smollm2-135m" / "7").exists()

@@ -55,7 +55,7 @@ def ask(grpc_url: str, text: str, max_tokens: int = 16) -> tuple[str, list]:
     inputs[2].set_data_from_numpy(np.array([0.0], dtype=np.float32))
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(grpc_url)
-    client.start_stream(callback=lambda r, e: results.put((r, e)))
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
     client.async_stream_infer("llm", inputs, request_id=f"be-{time.time_ns()}")
     out = []
     try:

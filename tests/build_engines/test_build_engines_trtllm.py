@@ -160,7 +160,7 @@ def test_real_trtllm_build_refuses_to_start_without_tensorrt_llm(be_settings: Se
     assert not Path(sqlite_url.removeprefix("sqlite:///")).exists()
 
 
-def test_trtllm_bad_inputs(llama70b_dir: Path, tmp_path: Path) -> None:
+def test_trtllm_bad_inputs(llama70b_dir: Path, tmp_path: Path, be_settings: Settings, sqlite_url: str) -> None:
     with pytest.raises(BuildError, match="--tensor-parallel: 3 does not divide the model's 64 attention heads"):
         plan_for(llama70b_dir, tmp_path, tensor_parallel=3)
     with pytest.raises(BuildError, match="allowed: \\['fp16', 'bf16', 'fp8'\\]"):
@@ -169,7 +169,7 @@ def test_trtllm_bad_inputs(llama70b_dir: Path, tmp_path: Path) -> None:
         plan_for(llama70b_dir, tmp_path, max_seq_len=4096, max_input_len=4096)
     with pytest.raises(BuildError, match="GGUF checkpoints are only taken by the cpu target"):
         build(parse_options(model="m", version="1", checkpoint="smollm2", target="trtllm", dry_run=True),
-              Settings.__new__(Settings), "sqlite://")
+              be_settings, sqlite_url)
 
 
 def test_cli_dry_run(llama70b_dir: Path, be_settings: Settings) -> None:

@@ -46,7 +46,7 @@ def _stream(p: Platform, text: str, model: str = "smollm2-135m", max_tokens: int
     inputs[2].set_data_from_numpy(np.array([0.0], dtype=np.float32))
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(p.grpc_url)
-    client.start_stream(callback=lambda r, e: results.put((r, e)),
+    client.start_stream(callback=lambda result, error: results.put((result, error)),
                         headers={"authorization": f"Bearer {key if key is not None else p.api_key}"})
     client.async_stream_infer(model, inputs, request_id=f"skeleton-{time.time_ns()}", parameters=params)
     out = []

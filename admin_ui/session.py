@@ -1,0 +1,117 @@
+"""Login state and small shared Streamlit helpers used by every page.
+
+The token and its role live in `st.session_state` (`token`, `role`). The role is asked from the router
+(`GET /admin/whoami`); when the router is down the data dir's token files decide, so a read-only view
+still works. Writes are only offered to operators, and the router refuses a viewer's writes anyway.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import streamlit as st
+
+from admin_ui.router_client import AdminApiError, RouterClient, RouterDown, role_from_token_files
+from fleet.settings import Settings, load_settings
+
+ROLES = ("operator", "viewer")
+
+
+def settings() -> Settings:
+    return load_settings()
+
+
+def login(token: str) -> tuple[str | None, str]:
+    """Check a token; on success store it in the session. Returns (role or None, message)."""
+    token = token.strip()
+    if not token:
+        return None, "enter an admin (operator) or viewer token"
+    s = settings()
+    try:
+        role = RouterClient(s.router_http_url, token).whoami()
+        note = ""
+    except AdminApiError as exc:
+        return None, f"the router refused this token: {exc.message}"
+    except RouterDown as exc:
+        role = _role_offline(token, s)
+        if role is None:
+            return None, f"{exc}; the token does not match the data dir's token files either"
+        note = f"The router is down ({s.router_http_url}); signed in from the data dir's token files, read-only data only."
+    st.session_state["token"], st.session_state["role"] = token, role
+    return role, note
+
+
+def _role_offline(token: str, s: Settings) -> str | None:
+    for role, env in (("operator", "FLEET_ADMIN_TOKEN"), ("viewer", "FLEET_VIEWER_TOKEN")):
+        if os.environ.get(env) and os.environ[env] == token:
+            return role
+    return role_from_token_files(token, s.admin_token_file, s.viewer_token_file)
+
+
+def logout() -> None:
+    for key in ("token", "role"):
+        st.session_state.pop(key, None)
+
+
+def role() -> str | None:
+    return st.session_state.get("role")
+
+
+def is_operator() -> bool:
+    return role() == "operator"
+
+
+def require_login() -> str:
+    """The signed-in role; stops the page with a hint when nobody is signed in."""
+    current = role()
+    if current not in ROLES:
+        st.warning("Sign in first: open the **Login** page and enter an admin or viewer token.")
+        st.stop()
+    return current
+
+
+def client() -> RouterClient:
+    return RouterClient(settings().router_http_url, st.session_state.get("token", ""))
+
+
+def header(title: str, caption: str) -> None:
+    st.title(title)
+    st.caption(f"{caption} · signed in as **{role()}**")
+    show_flash()
+
+
+def safe(what: str, fn: Callable[..., Any], *args, **kwargs) -> Any | None:
+    """Run a read; on failure show what could not be read and return None so the page goes on."""
+    try:
+        return fn(*args, **kwargs)
+    except RouterDown as exc:
+        st.error(f"Router down: {what} is not available. {exc}")
+    except AdminApiError as exc:
+        st.error(f"The router refused to give {what}: {exc.message}")
+    except Exception as exc:  # registry or usage store down: say so and keep the rest of the page
+        st.error(f"{what} cannot be read: {type(exc).__name__}: {exc}")
+    return None
+
+
+def write(action: Callable[[], Any], done: str, where: Any = None) -> bool:
+    """Run an admin-API write and show the outcome in `where` (the container next to the control)."""
+    box = where if where is not None else st
+    try:
+        result = action()
+    except AdminApiError as exc:
+        box.error(f"Not changed ({exc.status}): {exc.message}")
+        return False
+    except RouterDown as exc:
+        box.error(f"Not changed: {exc}")
+        return False
+    st.session_state["flash"] = f"{done}: {result}" if result is not None else done
+    st.rerun()
+    return True  # not reached: the rerun shows the new state and the flash message
+
+
+def show_flash() -> None:
+    """Show (once) the result of the last successful write, which reran the page."""
+    message = st.session_state.pop("flash", None)
+    if message:
+        st.success(message)

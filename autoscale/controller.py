@@ -1,0 +1,138 @@
+"""The autoscaling loop: every few seconds, per model pool, read signals, decide, actuate.
+
+Per pool: read the router's signals (queue wait p95, KV use, running/waiting, TTFT p95 vs the tier
+SLO), ask the ForecastPolicy for the desired replicas (reactive need vs forecast need one measured
+cold start ahead, + warm buffer from the registry, within min/max, slow scale-down) and hand the
+answer to the actuator (local processes or Kubernetes). Every decision is logged and kept in
+`history` (the live benchmark plots it).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from autoscale.actuators import Actuator, PoolSpec
+from autoscale.policy import ForecastPolicy, PoolState, ScalingGuard
+from autoscale.signals import Signals, read_signals
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PoolConfig:
+    """A pool the controller scales, with its bounds and SLO (from the registry's warm_buffers)."""
+
+    spec: PoolSpec
+    min_replicas: int = 1
+    max_replicas: int = 4
+    min_idle_replicas: int = 0
+    slo_ttft_s: float = 0.5
+    max_running_per_replica: int = 8  # engine batch slots: running / slots is the load when tokens/s is missing
+    capacity_tokens_per_s: float | None = None  # calibrated per-replica tokens/s (bench), None = unknown
+    replica_seconds_per_request: float = 1.0  # converts a forecast (requests/s) into busy replicas
+    default_cold_start_s: float = 30.0
+    target_load: float = 0.7
+
+
+@dataclass
+class Decision:
+    at: float
+    pool: str
+    serving: int
+    starting: int
+    desired: int
+    signals: dict = field(default_factory=dict)
+
+
+def pools_from_registry(db_url: str, region: str = "local") -> list[PoolConfig]:
+    """One PoolConfig per warm_buffers row (model, version, bounds, SLO)."""
+    from registry.db import session_scope
+    from registry.queries import get_model_version, list_warm_buffers
+
+    out = []
+    with session_scope(db_url) as session:
+        for wb in list_warm_buffers(session):
+            mv = get_model_version(session, wb.model, wb.version)
+            tp = mv.tensor_parallel if mv is not None else 1
+            out.append(PoolConfig(PoolSpec(wb.model, wb.version, region, tp), min_replicas=wb.min_replicas,
+                                  max_replicas=wb.max_replicas, min_idle_replicas=wb.min_idle_replicas,
+                                  slo_ttft_s=wb.slo_ttft_ms_p95 / 1000.0))
+    return out
+
+
+class Controller:
+    """Runs the policy for every pool on a fixed interval."""
+
+    def __init__(self, pools: list[PoolConfig], actuator: Actuator, router_url: str, interval_s: float = 2.0,
+                 forecasts: dict[str, Callable[[float], float]] | None = None,
+                 signal_reader: Callable[[PoolConfig], Signals] | None = None,
+                 guard_overrides: dict | None = None, admin_token: str | None = None) -> None:
+        self.pools, self.actuator, self.router_url = pools, actuator, router_url
+        self.interval_s = interval_s
+        self.forecasts = forecasts or {}
+        self.admin_token = admin_token
+        self.read = signal_reader or self._read_router
+        self.history: list[Decision] = []
+        self._stop = threading.Event()
+        self.policies: dict[str, ForecastPolicy] = {}
+        for pool in pools:
+            guard = ScalingGuard(min_replicas=pool.min_replicas, max_replicas=pool.max_replicas, up_cooldown_s=interval_s,
+                                 down_cooldown_s=60.0, down_window_s=30.0, down_step_fraction=0.25,
+                                 down_step_interval_s=30.0)
+            for key, value in (guard_overrides or {}).items():
+                setattr(guard, key, value)
+            forecast = self.forecasts.get(pool.spec.name, lambda _now: 0.0)
+            self.policies[pool.spec.name] = ForecastPolicy(
+                guard, forecast_need=forecast, cold_start_s=lambda p=pool: self._cold_start(p),
+                warm_buffer=pool.min_idle_replicas, replica_seconds_per_request=pool.replica_seconds_per_request,
+                target_load=pool.target_load, smoothing_halflife_s=max(interval_s, 2.0))
+
+    def _cold_start(self, pool: PoolConfig) -> float:
+        measured = self.actuator.cold_start_s(pool.spec)
+        return measured if measured is not None else pool.default_cold_start_s
+
+    def _read_router(self, pool: PoolConfig) -> Signals:
+        return read_signals(self.router_url, pool.spec.model, pool.slo_ttft_s, pool.capacity_tokens_per_s,
+                            admin_token=self.admin_token)
+
+    def tick(self, now: float | None = None) -> list[Decision]:
+        now = time.monotonic() if now is None else now
+        out = []
+        for pool in self.pools:
+            try:
+                sig = self.read(pool)
+            except Exception as exc:  # no signals: hold the current size rather than guess
+                log.warning("pool %s: cannot read signals (%s); holding", pool.spec.name, exc)
+                continue
+            counts = self.actuator.counts(pool.spec)
+            slots = max(counts.serving, 1) * pool.max_running_per_replica
+            sig.load = max(sig.load, min(1.0, (sig.running + sig.waiting) / slots))
+            state = PoolState(now, counts.serving, counts.starting, sig)
+            desired = self.policies[pool.spec.name].decide(state)
+            decision = Decision(now, pool.spec.name, counts.serving, counts.starting, desired,
+                                {"load": round(sig.load, 3), "kv": round(sig.kv_utilisation, 3), "running": sig.running,
+                                 "waiting": sig.waiting, "ttft_p95_s": round(sig.ttft_p95_s, 3),
+                                 "queue_wait_p95_s": round(sig.queue_wait_p95_s, 3)})
+            self.history.append(decision)
+            out.append(decision)
+            if desired != counts.total:
+                log.info("pool %s: %d serving + %d starting -> %d (load %.2f, kv %.2f, waiting %.0f, ttft p95 %.3f s, "
+                         "queue wait p95 %.3f s)", pool.spec.name, counts.serving, counts.starting, desired, sig.load,
+                         sig.kv_utilisation, sig.waiting, sig.ttft_p95_s, sig.queue_wait_p95_s)
+                self.actuator.scale(pool.spec, desired)
+        return out
+
+    def run(self, duration_s: float | None = None) -> None:
+        """Tick every interval until stop() (or duration_s elapses)."""
+        end = None if duration_s is None else time.monotonic() + duration_s
+        log.info("autoscaler running: %d pool(s), every %.1f s", len(self.pools), self.interval_s)
+        while not self._stop.is_set() and (end is None or time.monotonic() < end):
+            started = time.monotonic()
+            self.tick(started)
+            self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    def stop(self) -> None:
+        self._stop.set()

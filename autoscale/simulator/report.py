@@ -1,0 +1,137 @@
+"""Results of a policy comparison: JSON for bench/results, PNG plots for docs, plotly figures for the UI."""
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+from autoscale.capacity import peak_sizing
+from autoscale.simulator.engine import SimResult
+from autoscale.simulator.settings import SimSettings
+from autoscale.simulator.workload import WorkloadModel
+
+log = logging.getLogger(__name__)
+COLOURS = {"static": "#7f7f7f", "reactive-gpu-util": "#d62728", "reactive-signals": "#ff7f0e", "ours": "#2ca02c"}
+
+
+def sizing_derivation(settings: SimSettings) -> dict:
+    """The requirements' peak estimate, derived step by step from the throughput assumptions."""
+    wl = settings.workload
+    prompts = WorkloadModel(settings).prompts
+    sizing = peak_sizing(settings.models, wl.peak_requests_per_s, prompts.mean, wl.output_tokens_mean,
+                         settings.serving.sizing_target_utilisation)
+    rows = []
+    for m in settings.models:
+        rows.append({"model": m.name, "requests_per_s": sizing.requests_per_s[m.name],
+                     "replica_seconds_per_request": m.replica_seconds(prompts.mean, wl.output_tokens_mean),
+                     "busy_replicas": sizing.busy_replicas[m.name], "replicas": sizing.replicas[m.name],
+                     "gpus": sizing.gpus[m.name]})
+    return {"peak_requests_per_s": wl.peak_requests_per_s, "prompt_tokens_mean": prompts.mean,
+            "output_tokens_mean": wl.output_tokens_mean, "target_utilisation": sizing.target_utilisation,
+            "models": rows, "total_gpus": sizing.total_gpus}
+
+
+def results_json(results: dict[str, SimResult], settings: SimSettings, wall_s: float) -> dict:
+    return {
+        "benchmark": "autoscale-fleet-simulation",
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+        "run": {"horizon_h": settings.horizon_h, "warmup_h": settings.warmup_h, "step_s": settings.step_s,
+                "seed": settings.seed, "wall_s": wall_s, "batch_enabled": settings.batch_enabled},
+        "assumptions": settings.assumptions,
+        "peak_sizing": sizing_derivation(settings),
+        "policies": {name: {"summary": r.summary, "pools": r.pools,
+                            "hourly": r.hourly.round(4).to_dict(orient="records")} for name, r in results.items()},
+    }
+
+
+def write_json(payload: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=float))
+    log.info("wrote %s", path)
+    return path
+
+
+def plot_pngs(results: dict[str, SimResult], out_dir: Path, prefix: str = "autoscale") -> list[Path]:
+    """Three PNGs: GPUs over the day, hourly utilisation, and the headline comparison."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    any_result = next(iter(results.values()))
+    ax.plot(any_result.timeline["t_h"], any_result.timeline["gpus_demand"], color="black", lw=1,
+            label="interactive+standard work (busy GPUs)")
+    for name, r in results.items():
+        ax.plot(r.timeline["t_h"], r.timeline["gpus_allocated"], color=COLOURS.get(name), lw=1.5, label=f"{name}: allocated")
+    ax.set(xlabel="hour of the simulated day (UTC)", ylabel="GPUs", title="GPUs allocated per policy over one day")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    paths.append(out_dir / f"{prefix}-gpus-timeline.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for name, r in results.items():
+        ax.plot(r.hourly["hour"], 100 * r.hourly["utilisation"], marker="o", ms=3, color=COLOURS.get(name), label=name)
+    ax.axhline(60, color="grey", ls="--", lw=1, label="target > 60 % daily average")
+    ax.set(xlabel="hour", ylabel="GPU utilisation (busy / allocated), %", ylim=(0, 100), title="Hourly GPU utilisation")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(out_dir / f"{prefix}-utilisation-hourly.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    names = list(results)
+    metrics = [("daily_avg_utilisation", "daily avg utilisation, %", 100), ("interactive_slo_attainment", "TTFT SLO attainment, %", 100),
+               ("gpu_hours", "GPU-hours per day", 1), ("tokens_per_gpu_hour", "M tokens per GPU-hour", 1e-6)]
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.8))
+    for ax, (key, label, scale) in zip(axes, metrics):
+        vals = [results[n].summary[key] * scale for n in names]
+        ax.bar(range(len(names)), vals, color=[COLOURS.get(n) for n in names])
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(label, fontsize=9)
+        if key == "interactive_slo_attainment":
+            ax.set_ylim(min(vals) - 0.5, 100.05)
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:,.2f}" if scale != 1 else f"{v:,.0f}", ha="center", va="bottom", fontsize=7)
+    fig.suptitle("Policy comparison (same workload, one simulated day)")
+    paths.append(out_dir / f"{prefix}-policy-comparison.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    for p in paths:
+        log.info("wrote %s", p)
+    return paths
+
+
+def plotly_timeline(results: dict[str, SimResult]):
+    """Plotly figure of GPUs allocated over the day (for the admin UI's Capacity page)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    any_result = next(iter(results.values()))
+    fig.add_trace(go.Scatter(x=any_result.timeline["t_h"], y=any_result.timeline["gpus_demand"], name="work (busy GPUs)",
+                             line={"color": "black", "width": 1}))
+    for name, r in results.items():
+        fig.add_trace(go.Scatter(x=r.timeline["t_h"], y=r.timeline["gpus_allocated"], name=name,
+                                 line={"color": COLOURS.get(name)}))
+    fig.update_layout(xaxis_title="hour", yaxis_title="GPUs allocated", title="GPUs per policy over one day")
+    return fig
+
+
+def summary_table(results: dict[str, SimResult]) -> list[dict]:
+    """Rows for a table/markdown: one per policy."""
+    return [{"policy": n, "utilisation_%": round(100 * r.summary["daily_avg_utilisation"], 1),
+             "slo_attainment_%": round(100 * r.summary["interactive_slo_attainment"], 3),
+             "gpu_hours": round(r.summary["gpu_hours"]), "tokens_per_gpu_hour_M": round(r.summary["tokens_per_gpu_hour"] / 1e6, 2),
+             "peak_gpus_5min": r.summary["peak_gpus_allocated_5min"],
+             "batch_backlog_end_M": round(r.summary["batch_backlog_requests_at_end"] / 1e6, 2)}
+            for n, r in results.items()]

@@ -1,0 +1,109 @@
+"""Triton shim for the decoupled `engine` model: parse tensors, enqueue into the engine loop, stream back.
+
+`execute` never waits for generation: each request is handed to the EngineLoop (python_backends.engine.loop)
+with its response sender, and the loop thread sends one response per released token delta; the last response
+carries finish_reason + usage and the COMPLETE_FINAL flag. Cancellation is polled from the loop thread.
+"""
+import json
+import logging
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from python_backends.engine.config import EngineConfig
+from python_backends.engine.engine import LLMEngine, StepOutput
+from python_backends.engine.loop import EngineLoop
+from python_backends.engine.metrics import TritonMetrics
+from python_backends.engine.sequence import SamplingParams
+from python_backends.engine.state_report import StateReporter, identity_from_env
+
+log = logging.getLogger("engine")
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _scalar(request, name, default):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return default
+    arr = tensor.as_numpy().reshape(-1)
+    return arr[0] if arr.size else default
+
+
+def _text(value) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class _TritonSink:
+    def __init__(self, sender):
+        self.sender = sender
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+    def send(self, out: StepOutput) -> None:
+        tensors = [
+            pb_utils.Tensor("output_ids", np.asarray(out.token_ids, dtype=np.int32)),
+            pb_utils.Tensor("sequence_index", np.asarray([out.seq.seq_id], dtype=np.uint64)),
+            pb_utils.Tensor("finish_reason", np.asarray([out.finish_reason.encode()], dtype=np.object_)),
+            pb_utils.Tensor("usage", np.asarray(out.usage, dtype=np.int32)),
+        ]
+        error = getattr(out.seq, "error", None) if out.finish_reason == "error" else None
+        response = pb_utils.InferenceResponse(output_tensors=tensors)
+        if error:
+            log.warning("request rejected: %s", error)
+        self.sender.send(response, flags=FINAL if out.finished else 0)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        model_config = json.loads(args["model_config"])
+        params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+        self.config = EngineConfig.from_params(params)
+        self.engine = LLMEngine(self.config)
+        identity = identity_from_env()
+        labels = {"replica_id": identity["replica_id"], "model": identity["model"] or "engine"}
+        self.metrics = TritonMetrics(pb_utils, labels)
+        self.engine.stats.sink = self.metrics
+        self.reporter = StateReporter(identity, self.config.state_full_snapshot_s).start()
+
+        def on_tick(engine: LLMEngine) -> None:
+            self.metrics.update(engine)
+            if self.reporter.routers:
+                self.reporter.publish(self.reporter.build(engine))
+
+        self.loop = EngineLoop(self.engine, on_tick=on_tick, tick_s=self.config.state_report_interval_s).start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._enqueue(request, sender)
+            except Exception as exc:   # malformed request: answer it alone, never break the batch
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"bad engine request: {exc}")),
+                            flags=FINAL)
+        return None
+
+    def _enqueue(self, request, sender) -> None:
+        ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1).astype(np.int64)
+        stop_tensor = pb_utils.get_input_tensor_by_name(request, "stop_words")
+        stops = [_text(s) for s in stop_tensor.as_numpy().reshape(-1)] if stop_tensor is not None else []
+        seed = _scalar(request, "random_seed", None)
+        params = SamplingParams(
+            max_tokens=int(_scalar(request, "max_tokens", self.config.default_max_tokens)),
+            temperature=float(_scalar(request, "temperature", 0.0)),
+            top_p=float(_scalar(request, "top_p", 1.0)) or 1.0,
+            top_k=int(_scalar(request, "top_k", 0)),
+            seed=int(seed) if seed is not None else None,
+            stop=[s for s in stops if s])
+        lora = _text(_scalar(request, "lora_name", b""))
+        rp = json.loads(request.parameters() or "{}")
+        # `priority` is reserved by tritonclient (it is Triton's own scheduling field), so the router sends
+        # `llm_priority`; accept both names.
+        priority = int(rp.get("llm_priority", rp.get("priority", 1)))
+        self.loop.submit(ids.tolist(), params, _TritonSink(sender), priority=priority,
+                         deadline_ms=int(rp.get("deadline_ms", 0) or 0), lora_name=lora,
+                         request_id=rp.get("request_id") or request.request_id())
+
+    def finalize(self):
+        self.loop.stop()
+        self.reporter.stop()

@@ -1,0 +1,105 @@
+"""GPU `preprocessing` (TensorRT-LLM ensemble): the request -> the tensorrt_llm model's inputs.
+
+Runs inside NVIDIA's Triton TRT-LLM container with this project installed (docs/build_engines.md); not
+executed on the CPU machines. Shapes carry an explicit batch dim of 1 (this model does not batch; the
+tensorrt_llm model does). LoRA tensors come from `<adapters_dir>/<lora_name>/model.lora_{weights,config}.npy`
+(TensorRT-LLM's hf_lora_convert.py output) and are sent only for adapter requests.
+"""
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from fleet.text import load_tokenizer
+
+DEFAULT_MAX_TOKENS = 256
+
+
+def _opt(request, name, default):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return default if t is None else t.as_numpy().reshape(-1)[0]
+
+
+def lora_task_id(adapter: str) -> int:
+    """Same id as build_engines.trtllm.lora_task_id (kept dependency-free here)."""
+    return int.from_bytes(hashlib.sha256(adapter.encode()).digest()[:8], "big") >> 1
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+        self.tokenizer = load_tokenizer(params["tokenizer_dir"])
+        gen = Path(params["tokenizer_dir"]) / "generation_config.json"
+        eos = json.loads(gen.read_text()).get("eos_token_id", 2) if gen.exists() else 2
+        self.end_id = int(eos[0] if isinstance(eos, list) else eos)
+        self.adapters = Path(params["adapters_dir"])
+        self.max_context = int(params["max_context"])
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            try:
+                out.append(pb_utils.InferenceResponse(output_tensors=self._tensors(request)))
+            except ValueError as exc:
+                out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))))
+        return out
+
+    def _stop_words(self, request) -> np.ndarray:
+        """TensorRT-LLM's stop_words_list [1, 2, L]: flat ids, then cumulative end offsets padded with -1."""
+        t = pb_utils.get_input_tensor_by_name(request, "stop_words")
+        words = [w.decode() if isinstance(w, bytes) else str(w) for w in (t.as_numpy().reshape(-1) if t else [])]
+        ids, offsets = [], []
+        for w in words:
+            ids += self.tokenizer.encode(w, add_special_tokens=False).ids
+            offsets.append(len(ids))
+        n = max(len(ids), 1)
+        flat = np.array(ids + [0] * (n - len(ids)), dtype=np.int32)
+        offs = np.array(offsets + [-1] * (n - len(offsets)), dtype=np.int32)
+        return np.stack([flat, offs])[None, :, :]
+
+    def _tensors(self, request) -> list:
+        ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
+        if ids_t is not None:
+            ids = ids_t.as_numpy().astype(np.int32).reshape(-1)
+        else:
+            raw = _opt(request, "text_input", None)
+            if raw is None:
+                raise ValueError("one of text_input (BYTES[1]) or input_ids (INT32[-1]) is required")
+            text = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+            ids = np.array(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+        if ids.size == 0:
+            raise ValueError("the prompt is empty")
+        max_tokens = int(_opt(request, "max_tokens", DEFAULT_MAX_TOKENS))
+        if ids.size + 1 > self.max_context:
+            raise ValueError(f"prompt has {ids.size} tokens; max context is {self.max_context}")
+        max_tokens = max(1, min(max_tokens, self.max_context - ids.size))
+        temperature = float(_opt(request, "temperature", 1.0))
+        top_k = int(_opt(request, "top_k", 0)) if temperature > 0 else 1  # temperature 0 = greedy
+        one = lambda v, dt: np.array([[v]], dtype=dt)  # noqa: E731
+        tensors = [
+            pb_utils.Tensor("input_ids_out", ids[None, :]),
+            pb_utils.Tensor("input_lengths", one(ids.size, np.int32)),
+            pb_utils.Tensor("request_output_len", one(max_tokens, np.int32)),
+            pb_utils.Tensor("end_id", one(self.end_id, np.int32)),
+            pb_utils.Tensor("pad_id", one(self.end_id, np.int32)),
+            pb_utils.Tensor("stop_words_list", self._stop_words(request)),
+            pb_utils.Tensor("temperature_out", one(max(temperature, 1e-5), np.float32)),
+            pb_utils.Tensor("runtime_top_k", one(top_k, np.int32)),
+            pb_utils.Tensor("runtime_top_p", one(float(_opt(request, "top_p", 1.0)), np.float32)),
+            pb_utils.Tensor("random_seed_out", one(int(_opt(request, "random_seed", 0)), np.uint64)),
+            pb_utils.Tensor("streaming", one(bool(_opt(request, "stream", True)), np.bool_)),
+        ]
+        raw = _opt(request, "lora_name", b"")
+        adapter = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if adapter:
+            folder = self.adapters / adapter
+            if not (folder / "model.lora_weights.npy").exists():
+                raise ValueError(f"unknown adapter {adapter!r}")
+            weights = np.load(folder / "model.lora_weights.npy").astype(np.float16)
+            config = np.load(folder / "model.lora_config.npy").astype(np.int32)
+            tensors += [pb_utils.Tensor("lora_task_id", one(lora_task_id(adapter), np.uint64)),
+                        pb_utils.Tensor("lora_weights", weights.reshape((1,) + weights.shape[-2:])),
+                        pb_utils.Tensor("lora_config", config.reshape((1,) + config.shape[-2:]))]
+        return tensors

@@ -1,0 +1,107 @@
+"""The replica state report of DESIGN.md §4, pushed to every router about every 200 ms.
+
+The engine loop thread builds each report (`build`, on its own thread, so engine state is read consistently)
+and hands it to `StateReporter.publish`; a separate sender thread POSTs the latest one to
+`{router}/internal/replica-state` with a short timeout, fire-and-forget, so a slow or dead router never
+blocks the engine. Prefix hashes go as deltas (added/removed since the last report), with a full snapshot
+on start and every ~10 s so a router that missed deltas resyncs.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import urllib.request
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def identity_from_env(env: dict[str, str] | None = None) -> dict[str, Any]:
+    env = dict(os.environ) if env is None else env
+    return {"replica_id": env.get("FLEET_REPLICA_ID", "local-0"), "model": env.get("FLEET_MODEL", ""),
+            "version": env.get("FLEET_VERSION", ""), "region": env.get("FLEET_REGION", "local"),
+            "routers": [u.strip().rstrip("/") for u in env.get("FLEET_ROUTER_URLS", "").split(",") if u.strip()]}
+
+
+class StateReporter:
+    def __init__(self, identity: dict[str, Any], full_snapshot_s: float = 10.0, timeout_s: float = 0.5):
+        self.identity = {k: v for k, v in identity.items() if k != "routers"}
+        self.routers: list[str] = identity.get("routers", [])
+        self.full_snapshot_s, self.timeout_s = full_snapshot_s, timeout_s
+        self.draining = False
+        self._last_full = 0.0
+        self._pending_added: list[int] = []
+        self._pending_removed: list[int] = []
+        self._latest: dict[str, Any] | None = None
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine-state-report", daemon=True)
+        self.sent = 0
+
+    def start(self) -> "StateReporter":
+        if self.routers:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+
+    def build(self, engine: Any) -> dict[str, Any]:
+        """Called on the engine loop thread: a consistent report from the engine's current state."""
+        pool = engine.kv.pool
+        added, removed = pool.drain_events()
+        now = time.time()
+        full = now - self._last_full >= self.full_snapshot_s
+        report = dict(self.identity, ts=now, kv_blocks_total=pool.num_usable, kv_blocks_free=pool.num_free,
+                      block_size=engine.config.block_size, running=len(engine.scheduler.running),
+                      waiting=len(engine.scheduler.waiting), queue_wait_ms_p95=engine.stats.queue_wait_ms_p95(),
+                      ttft_ms_p95=engine.stats.ttft_ms_p95(), tokens_per_s=engine.stats.tokens_per_s(),
+                      adapters_loaded=engine.lora.loaded() if engine.lora else [],
+                      full_snapshot=full, draining=self.draining)
+        if full:
+            self._last_full = now
+            report["prefix_hashes"] = pool.cached_hashes()
+            report["prefix_hashes_added"], report["prefix_hashes_removed"] = [], []
+        else:
+            report["prefix_hashes_added"], report["prefix_hashes_removed"] = added, removed
+        return report
+
+    def publish(self, report: dict[str, Any]) -> None:
+        """Queue a report for sending; unsent deltas are merged so none is lost if the sender lags."""
+        with self._cv:
+            if self._latest is not None and not report["full_snapshot"]:
+                if self._latest.get("full_snapshot"):
+                    # a pending full snapshot absorbs the deltas
+                    hashes = set(self._latest["prefix_hashes"]) - set(report["prefix_hashes_removed"])
+                    report = dict(report, full_snapshot=True,
+                                  prefix_hashes=list(hashes | set(report["prefix_hashes_added"])),
+                                  prefix_hashes_added=[], prefix_hashes_removed=[])
+                else:
+                    report = dict(report,
+                                  prefix_hashes_added=self._latest["prefix_hashes_added"] + report["prefix_hashes_added"],
+                                  prefix_hashes_removed=self._latest["prefix_hashes_removed"] + report["prefix_hashes_removed"])
+            self._latest = report
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._latest is None and not self._stop:
+                    self._cv.wait(1.0)
+                if self._stop:
+                    return
+                report, self._latest = self._latest, None
+            body = json.dumps(report).encode()
+            for router in self.routers:
+                try:
+                    req = urllib.request.Request(f"{router}/internal/replica-state", data=body, method="POST",
+                                                 headers={"content-type": "application/json"})
+                    urllib.request.urlopen(req, timeout=self.timeout_s).close()
+                    self.sent += 1
+                except Exception as exc:   # soft state: a lost report costs a few routing decisions
+                    log.debug("state report to %s failed: %s", router, exc)

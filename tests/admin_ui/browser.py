@@ -1,0 +1,74 @@
+"""Drive the running admin UI in headless Chromium (Debian's /usr/bin/chromium through Playwright):
+sign in, open every page from the sidebar, collect Streamlit exceptions and error boxes, take screenshots."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+# sidebar label -> screenshot slug and the page's title (h1) to wait for
+PAGES = {"Fleet": ("fleet", "Fleet"), "Models & rollouts": ("rollouts", "Models & rollouts"),
+         "Warm buffers & autoscaling": ("buffers", "Warm buffers & autoscaling"),
+         "Chargeback": ("chargeback", "Chargeback"), "Capacity": ("capacity", "Capacity")}
+
+
+@dataclass
+class PageReport:
+    name: str
+    screenshot: Path
+    exceptions: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def _settle(page, timeout_s: float = 60.0) -> None:
+    """Wait until Streamlit has finished the script run (no 'running' status widget) and charts drew."""
+    deadline = time.monotonic() + timeout_s
+    page.wait_for_timeout(500)
+    while time.monotonic() < deadline:
+        if page.locator('[data-testid="stStatusWidget"]').count() == 0:
+            break
+        page.wait_for_timeout(250)
+    page.wait_for_timeout(1500)  # plotly and data grids render after the run
+
+
+def _report(page, name: str, out: Path) -> PageReport:
+    exceptions = [e.inner_text()[:500] for e in page.locator('[data-testid="stException"]').all()]
+    errors = [e.inner_text()[:500] for e in page.locator('[data-testid="stAlertContentError"]').all()]
+    page.screenshot(path=str(out), full_page=True)
+    return PageReport(name, out, exceptions, errors)
+
+
+def capture_admin_ui(ui_url: str, token: str, out_dir: Path, simulate: bool = True,
+                     timeout_s: float = 90.0) -> list[PageReport]:
+    """Sign in with `token`, visit the login page and every page, screenshot each to out_dir/admin-<slug>.png."""
+    from playwright.sync_api import sync_playwright
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reports: list[PageReport] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.set_default_timeout(timeout_s * 1000)
+            page.goto(ui_url)
+            page.get_by_label("Admin or viewer token").wait_for()
+            _settle(page)
+            reports.append(_report(page, "login", out_dir / "admin-login.png"))
+            page.get_by_label("Admin or viewer token").fill(token)
+            page.get_by_role("button", name="Sign in").click()
+            page.get_by_role("heading", name="Fleet").wait_for()
+            for label, (slug, title) in PAGES.items():
+                page.locator('[data-testid="stSidebarNav"]').get_by_text(label, exact=True).click()
+                page.get_by_role("heading", name=title, exact=True).wait_for()
+                _settle(page)
+                if slug == "capacity" and simulate:
+                    page.get_by_role("button", name="Simulate").click()
+                    page.get_by_text("peak GPUs").wait_for(timeout=timeout_s * 1000)
+                    _settle(page)
+                reports.append(_report(page, slug, out_dir / f"admin-{slug}.png"))
+        finally:
+            browser.close()
+    return reports

@@ -1,0 +1,104 @@
+"""Models & rollouts page: percent slider, full split, promote / rollback with confirmation, audit, roles."""
+from __future__ import annotations
+
+import pytest
+
+from admin_ui.router_client import AdminApiError, RouterClient
+from registry import queries
+from registry.db import session_scope
+from admin_ui.data import validate_split
+from tests.admin_ui.stack import MODEL, OPERATOR_TOKEN, VIEWER_TOKEN
+
+
+def _routes(db_url: str) -> dict[str, int]:
+    with session_scope(db_url) as s:
+        return queries.routes_for(s, MODEL)
+
+
+def _audit(db_url: str) -> list:
+    with session_scope(db_url) as s:
+        return [(a.actor, a.action, a.target, a.after) for a in queries.list_audit(s, 100)]
+
+
+def _errors(at) -> str:
+    return " | ".join(e.value for e in at.error)
+
+
+def test_rollout_to_30_percent_changes_the_route_and_writes_an_audit_row(stack, page):
+    at = page("rollouts")
+    assert not at.exception
+    at.selectbox(key="percent_version").select("2").run()
+    at.slider(key="percent_slider").set_value(30).run()
+    at.button(key="apply_percent").click().run()
+    assert not at.exception, at.exception
+    assert _errors(at) == ""
+    assert _routes(stack.db_url) == {"1": 70, "2": 30}
+    newest = _audit(stack.db_url)[0]
+    assert newest[:3] == ("operator", "set_routes", MODEL) and newest[3] == {"routes": {"1": 70, "2": 30}}
+    assert any("30 %" in s.value for s in at.success), "the page confirms the change"
+    assert "set_routes" in at.dataframe[-1].value["action"].tolist(), "the audit table shows the change"
+
+
+@pytest.mark.parametrize("split, problem", [({"1": 50, "2": 20}, "sum to 70"),
+                                            ({"1": 130, "2": -30}, "allowed 0..100")])
+def test_an_invalid_split_shows_the_error_and_changes_nothing(stack, page, split, problem):
+    at = page("rollouts")
+    audit_before = _audit(stack.db_url)
+    for version, percent in split.items():
+        at.number_input(key=f"split_{MODEL}_{version}").set_value(percent)
+    at.button(key="apply_split").click().run()
+    assert not at.exception
+    assert problem in _errors(at) and "Not changed" in _errors(at)
+    assert _routes(stack.db_url) == {"1": 100}
+    assert _audit(stack.db_url) == audit_before
+
+
+def test_unknown_versions_are_refused_by_the_page_and_by_the_router(stack):
+    """The page checks a split before sending it; the router checks again (one validated write path)."""
+    assert any("unknown version '7'" in p for p in validate_split({"1": 90, "7": 10}, ["1", "2"]))
+    assert validate_split({"1": 70, "2": 30}, ["1", "2"]) == []
+    with pytest.raises(AdminApiError) as err:
+        RouterClient(f"http://127.0.0.1:{stack.port}", OPERATOR_TOKEN).set_split(MODEL, {"1": 90, "7": 10})
+    assert err.value.status == 400 and "no version '7'" in err.value.message
+    assert _routes(stack.db_url) == {"1": 100}
+
+
+def test_promote_and_rollback_wait_for_confirmation(stack, page):
+    at = page("rollouts")
+    at.selectbox(key="promote_version").select("2").run()
+    at.button(key="promote").click().run()
+    assert _routes(stack.db_url) == {"1": 100}, "nothing changes before the confirm step"
+    assert any("v2" in w.value for w in at.warning)
+    at.button(key="confirm_promote").click().run()
+    assert not at.exception and _errors(at) == ""
+    assert _routes(stack.db_url) == {"2": 100}
+    at.button(key="rollback").click().run()
+    assert _routes(stack.db_url) == {"2": 100}
+    at.button(key="cancel_rollback").click().run()
+    assert _routes(stack.db_url) == {"2": 100} and "confirm_rollback" not in [b.key for b in at.button]
+    at.button(key="rollback").click().run()
+    at.button(key="confirm_rollback").click().run()
+    assert _routes(stack.db_url) == {"1": 100}
+    assert [a[1] for a in _audit(stack.db_url)[:2]] == ["rollback", "set_routes"]
+
+
+def test_a_viewer_sees_no_write_controls_and_the_api_refuses_its_writes(stack, page):
+    at = page("rollouts", role="viewer")
+    assert not at.exception
+    keys = {w.key for w in [*at.button, *at.slider, *at.number_input]}
+    assert not keys & {"apply_percent", "percent_slider", "apply_split", "promote", "rollback"}
+    assert len(at.dataframe) >= 2, "a viewer still reads versions, comparison and audit"
+    with pytest.raises(AdminApiError) as err:
+        RouterClient(f"http://127.0.0.1:{stack.port}", VIEWER_TOKEN).set_percent(MODEL, "2", 30)
+    assert err.value.status == 403 and "operator" in err.value.message
+    assert _routes(stack.db_url) == {"1": 100}
+
+
+def test_versions_build_info_and_side_by_side_comparison(stack, page):
+    at = page("rollouts")
+    versions = at.dataframe[0].value
+    assert set(versions["version"]) == {"1", "2"} and "abc123" in versions["build_info"].iloc[0]
+    comparison = at.dataframe[1].value
+    assert list(comparison["version"]) == ["1", "2"]
+    v1, v2 = comparison.set_index("version").loc["1"], comparison.set_index("version").loc["2"]
+    assert v2["ttft_ms_p95"] > v1["ttft_ms_p95"] and v2["error_rate"] > 0 == v1["error_rate"]
