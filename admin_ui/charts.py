@@ -6,7 +6,15 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 KIND_COLOURS = {"prefill": "#4c78a8", "cached": "#72b7b2", "decode": "#f58518"}
-_LAYOUT = dict(margin=dict(l=10, r=10, t=40, b=10), height=320, legend_title_text="")
+_LAYOUT = dict(margin=dict(l=10, r=10, t=70, b=10), height=340, legend_title_text="",
+               legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="left", x=0))
+
+
+def _count_axis(values: pd.Series, **extra) -> dict:
+    """A right-hand axis for small whole counts (queue lengths): integer ticks, from zero."""
+    top = float(pd.to_numeric(values, errors="coerce").fillna(0).max() or 0)
+    return dict(overlaying="y", side="right", rangemode="tozero", tickformat="d",
+                dtick=max(1, int(top // 4) or 1), showgrid=False, **extra)
 
 
 def ttft_vs_slo(frame: pd.DataFrame) -> go.Figure:
@@ -25,10 +33,10 @@ def kv_and_queue(frame: pd.DataFrame) -> go.Figure:
     """KV-cache utilisation (%) and queue length per replica."""
     f = frame[frame["reporting"]]
     fig = go.Figure()
-    fig.add_bar(x=f["replica_id"], y=(f["kv_utilisation"] * 100).round(1), name="KV used (%)")
-    fig.add_bar(x=f["replica_id"], y=f["waiting"], name="waiting requests", yaxis="y2")
+    fig.add_bar(x=f["replica_id"], y=(f["kv_utilisation"] * 100).round(1), name="KV used (%)", offsetgroup="kv")
+    fig.add_bar(x=f["replica_id"], y=f["waiting"], name="waiting requests", yaxis="y2", offsetgroup="queue")
     fig.update_layout(title="KV utilisation and queue", barmode="group", yaxis=dict(title="%", range=[0, 100]),
-                      yaxis2=dict(title="waiting", overlaying="y", side="right", rangemode="tozero"), **_LAYOUT)
+                      yaxis2=_count_axis(f["waiting"], title="waiting"), **_LAYOUT)
     return fig
 
 
@@ -38,7 +46,7 @@ def live_history(history: pd.DataFrame) -> go.Figure:
     fig.add_scatter(x=history["at"], y=history["tokens_per_s"], name="tokens/s", mode="lines+markers")
     fig.add_scatter(x=history["at"], y=history["waiting"], name="waiting", mode="lines+markers", yaxis="y2")
     fig.update_layout(title="Fleet tokens/s and queue (live)", yaxis=dict(title="tokens/s", rangemode="tozero"),
-                      yaxis2=dict(title="waiting", overlaying="y", side="right", rangemode="tozero"), **_LAYOUT)
+                      yaxis2=_count_axis(history["waiting"], title="waiting"), **_LAYOUT)
     return fig
 
 
@@ -58,10 +66,13 @@ def version_comparison(frame: pd.DataFrame) -> go.Figure:
 
 def tokens_stacked(long: pd.DataFrame) -> go.Figure:
     """Tokens per period stacked by kind, one panel per team."""
+    long = long.assign(period=long["period"].astype(str).str.removesuffix(" 00:00:00"))
     fig = px.bar(long, x="period", y="tokens", color="kind", facet_col="team", facet_col_wrap=3,
                  color_discrete_map=KIND_COLOURS, category_orders={"kind": list(KIND_COLOURS)})
     fig.for_each_annotation(lambda a: a.update(text=a.text.split("=")[-1]))
-    fig.update_layout(title="Tokens by team (prefill / cached / decode)", **_LAYOUT)
+    fig.update_xaxes(type="category", title_text="")
+    fig.update_layout(title="Tokens by team (prefill / cached / decode)", **{**_LAYOUT, "margin": dict(
+        l=10, r=10, t=90, b=10)})
     return fig
 
 

@@ -90,7 +90,8 @@ class Cluster:
 
     def drain_order(self, slots: list[Slot]) -> list[Slot]:
         """Replicas in the order to drain: emptiest node first, so whole nodes free up."""
-        return sorted(slots, key=lambda s: (-int(self.regions[s.region].free_per_node[s.node]), s.node))
+        free = {name: nodes.free_per_node for name, nodes in self.regions.items()}
+        return sorted(slots, key=lambda s: (-int(free[s.region][s.node]), s.node))
 
     def summary(self) -> dict[str, dict[str, int]]:
         out = {}

@@ -61,7 +61,7 @@ class ScalingGuard:
             self._last_up = now_s
             return raw
         if raw < current:
-            stable = max(v for _, v in self._history)
+            stable = max(self._history, key=lambda item: item[1])[1]
             if stable >= current or now_s - self._last_up < self.down_cooldown_s:
                 return current
             if now_s - self._last_down < self.down_step_interval_s:

@@ -1,12 +1,20 @@
 """Soft state pushed by replicas every ~200 ms (DESIGN.md §4): load, KV blocks, cached prefix hashes.
 
 Losing it costs only routing quality: entries older than `stale_after_s` are ignored and the router
-falls back to its own in-flight counts.
+falls back to round-robin with per-replica concurrency caps (see `replica_choice`).
+
+Reports lag by up to one interval, so the router also remembers the prompt blocks it has just sent to a
+replica ("pending" hashes, kept for `pending_ttl_s`): a multi-turn conversation's second turn arriving
+100 ms after the first still lands where its prefix is being cached.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -15,23 +23,40 @@ class ReplicaState:
     received_at: float
     prefix_hashes: set[int] = field(default_factory=set)
 
+    @property
+    def block_size(self) -> int:
+        return int(self.report.get("block_size") or DEFAULT_BLOCK_SIZE)
+
+    @property
+    def adapters(self) -> set[str]:
+        return set(self.report.get("adapters_loaded") or ())
+
 
 class ReplicaStateTable:
-    def __init__(self, stale_after_s: float = 2.0) -> None:
+    def __init__(self, stale_after_s: float = 2.0, pending_ttl_s: float = 5.0) -> None:
         self.stale_after_s = stale_after_s
+        self.pending_ttl_s = pending_ttl_s
         self.states: dict[str, ReplicaState] = {}
+        self.pending: dict[str, dict[int, float]] = {}  # replica -> hash -> monotonic time routed
+        self.full_snapshots: dict[str, float] = {}       # replica -> monotonic time of its last full snapshot
 
     def apply(self, report: dict) -> None:
         replica_id = str(report.get("replica_id") or "")
         if not replica_id:
             raise ValueError("replica_id: required in a state report")
+        for key in ("prefix_hashes", "prefix_hashes_added", "prefix_hashes_removed", "adapters_loaded"):
+            if report.get(key) is not None and not isinstance(report[key], list):
+                raise ValueError(f"{key}: must be a list")
+        now = time.monotonic()
         state = self.states.get(replica_id)
         if state is None or report.get("full_snapshot"):
-            state = self.states[replica_id] = ReplicaState(report, time.monotonic(),
-                                                           set(report.get("prefix_hashes") or ()))
+            if state is None:
+                log.info("first state report from replica %s", replica_id)
+            state = self.states[replica_id] = ReplicaState(report, now, set(report.get("prefix_hashes") or ()))
+            self.full_snapshots[replica_id] = now
         state.prefix_hashes.update(report.get("prefix_hashes_added") or ())
         state.prefix_hashes.difference_update(report.get("prefix_hashes_removed") or ())
-        state.report, state.received_at = report, time.monotonic()
+        state.report, state.received_at = report, now
 
     def fresh(self, replica_id: str) -> ReplicaState | None:
         state = self.states.get(replica_id)
@@ -39,11 +64,40 @@ class ReplicaStateTable:
             return None
         return state
 
+    def note_routed(self, replica_id: str, hashes: list[int]) -> None:
+        """Remember that these prompt blocks are about to be cached on replica_id."""
+        if not hashes:
+            return
+        now = time.monotonic()
+        pending = self.pending.setdefault(replica_id, {})
+        for h in hashes:
+            pending[h] = now
+        if len(pending) > 50_000:  # bound memory: drop expired entries
+            cutoff = now - self.pending_ttl_s
+            self.pending[replica_id] = {h: t for h, t in pending.items() if t >= cutoff}
+
+    def cached_blocks(self, replica_id: str, hashes: list[int]) -> int:
+        """Leading prompt blocks that replica_id has cached (reported) or was just sent (pending)."""
+        state = self.fresh(replica_id)
+        cached = state.prefix_hashes if state is not None else ()
+        pending = self.pending.get(replica_id) or {}
+        cutoff = time.monotonic() - self.pending_ttl_s
+        n = 0
+        for h in hashes:
+            if h in cached:
+                n += 1
+                continue
+            t = pending.get(h)
+            if t is None or t < cutoff:
+                break
+            n += 1
+        return n
+
     def summary(self, replica_id: str) -> dict:
         state = self.fresh(replica_id)
         if state is None:
             return {"reporting": False}
         keys = ("kv_blocks_total", "kv_blocks_free", "block_size", "running", "waiting", "queue_wait_ms_p95",
                 "ttft_ms_p95", "tokens_per_s", "adapters_loaded", "draining")
-        return {"reporting": True, "cached_prefix_blocks": len(state.prefix_hashes),
-                **{k: state.report.get(k) for k in keys}}
+        return {"reporting": True, "report_age_ms": round((time.monotonic() - state.received_at) * 1000),
+                "cached_prefix_blocks": len(state.prefix_hashes), **{k: state.report.get(k) for k in keys}}

@@ -195,8 +195,8 @@ def broker_outage(settings: Settings, work_dir: Path, outage_s: float, mode: str
 
 def loader_kill(settings: Settings, work_dir: Path, kills: int = 3, interval_s: float = 3.0,
                 rate: float = 2000.0, drain_timeout_s: float = 120.0) -> dict:
-    """Steady load into a loader process that is SIGKILLed every interval_s (first once deterministically
-    right after a batch write, before its offset commit), then restarted."""
+    """Steady load into a loader process that is killed at chosen points (inside the store transaction;
+    after it but before the offset commit), then `kills` times at a random moment, restarting it each time."""
     broker = Broker(settings, work_dir)
     topic, prefix = f"usage-lkill-{os.getpid()}", "lkill"
     store_path, log = work_dir / "lkill.duckdb", work_dir / "loader.log"
@@ -205,10 +205,10 @@ def loader_kill(settings: Settings, work_dir: Path, kills: int = 3, interval_s: 
     group = f"g-{topic}"
     killed = 0
     try:
-        # 1: crash exactly between the store write and the offset commit.
-        proc = start_loader(broker.bootstrap, store_path, topic, group, log, fault="after_write")
-        proc.wait(timeout=60)
-        killed += 1
+        for fault in ("mid_write", "after_write"):  # deterministic crash points first
+            proc = start_loader(broker.bootstrap, store_path, topic, group, log, fault=fault)
+            proc.wait(timeout=60)
+            killed += 1
         for _ in range(kills):
             proc = start_loader(broker.bootstrap, store_path, topic, group, log)
             time.sleep(interval_s)

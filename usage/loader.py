@@ -99,6 +99,7 @@ class UsageLoader:
             inserted = store.insert_events(con, pd.DataFrame.from_records(rows, columns=store.EVENT_COLUMNS)
                                            if rows else pd.DataFrame())
             store.insert_rejects(con, [(rid, reason, raw) for rid, reason, raw, _ in rejects])
+            self._fault("mid_write")
             con.execute("COMMIT")
         self._fault("after_write")
         if rejects:
@@ -198,7 +199,8 @@ class UsageLoader:
         self._consumer = self._dlq = None
 
     def _fault(self, point: str) -> None:
-        """Fault injection for the crash tests: FLEET_USAGE_FAULT=<point> kills the process there."""
+        """Fault injection for the crash tests: FLEET_USAGE_FAULT=mid_write|after_write kills the process
+        inside the store transaction, or after it committed but before the offset commit."""
         import os
         if os.environ.get("FLEET_USAGE_FAULT") == point:
             os._exit(137)
@@ -228,6 +230,7 @@ def add_load_arguments(parser: argparse.ArgumentParser, settings) -> None:
 
 def run_from_args(args: argparse.Namespace, settings) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)  # its INFO lines are per connection
     known = None
     if args.check_callers and _registry_configured(settings):
         known = registry_callers(settings.db_url)

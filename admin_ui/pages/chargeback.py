@@ -39,7 +39,7 @@ if costs is not None:
     else:
         total = costs["cost_total"].sum()
         m1, m2, m3 = st.columns(3)
-        m1.metric("cost", f"{total:,.4f}")
+        m1.metric("cost (price units)", f"{total:,.4f}")
         m2.metric("requests", f"{int(costs['requests'].sum()):,}")
         m3.metric("tokens", f"{int(costs[['prefill_tokens', 'cached_tokens', 'decode_tokens']].sum().sum()):,}")
         st.dataframe(costs, hide_index=True, width="stretch")

@@ -85,14 +85,13 @@ if comparison is not None:
     if comparison.empty:
         st.info(f"No requests to `{model}` in the last {window_h} h.")
     else:
-        left, right = st.columns([2, 3])
-        left.dataframe(comparison, hide_index=True, width="stretch", column_config={
+        st.dataframe(comparison, hide_index=True, width="stretch", column_config={
             "error_rate": st.column_config.NumberColumn("error rate", format="percent"),
             "ttft_ms_p50": st.column_config.NumberColumn("TTFT p50 ms", format="%.0f"),
             "ttft_ms_p95": st.column_config.NumberColumn("TTFT p95 ms", format="%.0f"),
             "duration_ms_p95": st.column_config.NumberColumn("duration p95 ms", format="%.0f"),
             "tokens_per_s_p50": st.column_config.NumberColumn("tokens/s p50", format="%.1f")})
-        right.plotly_chart(charts.version_comparison(comparison), width="stretch")
+        st.plotly_chart(charts.version_comparison(comparison), width="stretch")
 
 st.subheader("Audit log")
 entries = session.safe("the audit log (router)", session.client().audit, 100)

@@ -9,6 +9,7 @@ from pathlib import Path
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+VIEWPORT = {"width": 1440, "height": 900}
 # sidebar label -> screenshot slug and the page's title (h1) to wait for
 PAGES = {"Fleet": ("fleet", "Fleet"), "Models & rollouts": ("rollouts", "Models & rollouts"),
          "Warm buffers & autoscaling": ("buffers", "Warm buffers & autoscaling"),
@@ -37,7 +38,13 @@ def _settle(page, timeout_s: float = 60.0) -> None:
 def _report(page, name: str, out: Path) -> PageReport:
     exceptions = [e.inner_text()[:500] for e in page.locator('[data-testid="stException"]').all()]
     errors = [e.inner_text()[:500] for e in page.locator('[data-testid="stAlertContentError"]').all()]
+    # Streamlit scrolls inside its main block, so grow the viewport to the content for a whole-page shot.
+    height = page.evaluate("""() => { const m = document.querySelector('[data-testid="stMain"]')
+        || document.querySelector('section.main'); return m ? m.scrollHeight : document.body.scrollHeight; }""")
+    page.set_viewport_size({"width": VIEWPORT["width"], "height": int(min(max(height, VIEWPORT["height"]), 5000))})
+    page.wait_for_timeout(1200)
     page.screenshot(path=str(out), full_page=True)
+    page.set_viewport_size(VIEWPORT)
     return PageReport(name, out, exceptions, errors)
 
 
@@ -51,7 +58,7 @@ def capture_admin_ui(ui_url: str, token: str, out_dir: Path, simulate: bool = Tr
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page = browser.new_page(viewport=VIEWPORT)
             page.set_default_timeout(timeout_s * 1000)
             page.goto(ui_url)
             page.get_by_label("Admin or viewer token").wait_for()

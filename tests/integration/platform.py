@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import os
+import queue
 import random
+import time
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
 
 from fleet.processes import port_open
 from fleet.settings import REPO_ROOT
@@ -40,6 +45,32 @@ class Platform:
     @property
     def admin_token(self) -> str:
         return (self.data_dir / "admin-token").read_text().strip()
+
+    def stream(self, text: str, model: str = "smollm2-135m", max_tokens: int = 24, key: str | None = None,
+               **params) -> list:
+        """One greedy streamed request with stock tritonclient; returns every InferResult (raises on error)."""
+        inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("max_tokens", [1], "INT32"),
+                  grpcclient.InferInput("temperature", [1], "FP32")]
+        inputs[0].set_data_from_numpy(np.array([text.encode()], dtype=object))
+        inputs[1].set_data_from_numpy(np.array([max_tokens], dtype=np.int32))
+        inputs[2].set_data_from_numpy(np.array([0.0], dtype=np.float32))
+        results: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        client.start_stream(callback=lambda result, error: results.put((result, error)),
+                            headers={"authorization": f"Bearer {key if key is not None else self.api_key}"})
+        client.async_stream_infer(model, inputs, request_id=f"skeleton-{time.time_ns()}", parameters=params)
+        out = []
+        try:
+            while True:
+                result, error = results.get(timeout=120)
+                if error is not None:
+                    raise error
+                out.append(result)
+                if result.as_numpy("finish_reason")[0]:
+                    return out
+        finally:
+            client.stop_stream(cancel_requests=True)
+            client.close()
 
     def fleet(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "fleet.cli", *args], env=self.env, cwd=REPO_ROOT,

@@ -3,68 +3,21 @@
 gets clear errors while the platform keeps serving, and `fleet down` leaving no process behind."""
 from __future__ import annotations
 
-import json
-import queue
 import re
 import time
 
-import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from fleet.processes import pid_alive
-from tests.integration.platform import Platform, platform_env
+from tests.integration.platform import Platform
 
 pytestmark = pytest.mark.integration
 QUESTION = "What is the capital of France?"
 CHATML = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.fixture(scope="module")
-def platform(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("platform")
-    p = Platform(platform_env(data_dir), data_dir)
-    up = p.fleet("up")
-    assert up.returncode == 0, f"fleet up failed:\n{up.stdout}\n{up.stderr}"
-    assert "API key" in up.stdout and p.api_key in up.stdout
-    pids = [json.loads(f.read_text())["pid"] for f in (data_dir / "run").glob("*.json")]
-    assert len(pids) >= 5, "expected broker, loader, replica, router and UI processes"
-    yield p
-    down = p.fleet("down")
-    assert down.returncode == 0, down.stderr
-    time.sleep(1)
-    assert not [pid for pid in pids if pid_alive(pid)], "fleet down left processes behind"
-
-
-def _stream(p: Platform, text: str, model: str = "smollm2-135m", max_tokens: int = 24, key: str | None = None,
-            **params) -> list:
-    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("max_tokens", [1], "INT32"),
-              grpcclient.InferInput("temperature", [1], "FP32")]
-    inputs[0].set_data_from_numpy(np.array([text.encode()], dtype=object))
-    inputs[1].set_data_from_numpy(np.array([max_tokens], dtype=np.int32))
-    inputs[2].set_data_from_numpy(np.array([0.0], dtype=np.float32))
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(p.grpc_url)
-    client.start_stream(callback=lambda result, error: results.put((result, error)),
-                        headers={"authorization": f"Bearer {key if key is not None else p.api_key}"})
-    client.async_stream_infer(model, inputs, request_id=f"skeleton-{time.time_ns()}", parameters=params)
-    out = []
-    try:
-        while True:
-            result, error = results.get(timeout=120)
-            if error is not None:
-                raise error
-            out.append(result)
-            if result.as_numpy("finish_reason")[0]:
-                return out
-    finally:
-        client.stop_stream(cancel_requests=True)
-        client.close()
-
-
 def test_tritonclient_streams_paris(platform):
-    responses = _stream(platform, CHATML, tier="interactive")
+    responses = platform.stream(CHATML, tier="interactive")
     text = "".join(r.as_numpy("text_output")[0].decode() for r in responses)
     assert len(responses) > 3, "expected one streamed response per token"
     assert "Paris" in text
@@ -97,7 +50,7 @@ def test_openai_client_streams_paris_and_usage_lands_in_duckdb(platform):
 
 def _grpc_error(p: Platform, **kwargs) -> InferenceServerException:
     with pytest.raises(InferenceServerException) as info:
-        _stream(p, CHATML, **kwargs)
+        p.stream(CHATML, **kwargs)
     return info.value
 
 
@@ -112,7 +65,7 @@ def test_bad_input_gets_clear_errors_and_the_platform_keeps_serving(platform):
     assert "INVALID_ARGUMENT" in str(err.status()) and "max_tokens" in err.message()
     long_prompt = "hello " * 5000
     with pytest.raises(InferenceServerException) as info:
-        _stream(platform, long_prompt)
+        platform.stream(long_prompt)
     assert "INVALID_ARGUMENT" in str(info.value.status())
     assert re.search(r"prompt: has \d{4} tokens.*context of 2048", info.value.message())
 
@@ -126,5 +79,5 @@ def test_bad_input_gets_clear_errors_and_the_platform_keeps_serving(platform):
     r = httpx.post(f"{platform.http_url}/v1/completions", json={"model": "smollm2-135m", "prompt": "hi"})
     assert r.status_code == 401
     # still serving after all of that
-    text = "".join(r.as_numpy("text_output")[0].decode() for r in _stream(platform, CHATML))
+    text = "".join(r.as_numpy("text_output")[0].decode() for r in platform.stream(CHATML))
     assert "Paris" in text

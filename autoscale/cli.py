@@ -1,0 +1,143 @@
+"""`fleet simulate` (policy comparison on the simulated fleet) and `fleet autoscale run` (the live controller).
+
+`register(subparsers)` adds both to the lead's argparse `fleet` CLI; `python -m autoscale.cli ...` runs
+them standalone. Handlers are set as `func` (and `handler`) defaults and take the parsed args.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+
+from fleet.settings import REPO_ROOT
+
+log = logging.getLogger("autoscale")
+
+
+def register(subparsers) -> None:
+    """Add `simulate` and `autoscale run` to the `fleet` CLI."""
+    from autoscale.simulator.settings import POLICIES
+
+    sim = subparsers.add_parser("simulate", help="compare autoscaling policies on the simulated GPU fleet",
+                                description="Fluid simulation of the two-region GPU fleet over a day; compares "
+                                            "static, reactive-gpu-util, reactive-signals and ours. Writes JSON + PNGs.")
+    sim.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated subset of {','.join(POLICIES)}")
+    sim.add_argument("--hours", type=float, default=24.0, help="measured horizon in hours (default 24)")
+    sim.add_argument("--warmup-hours", type=float, default=15.0, help="simulated before the measured window (default 15)")
+    sim.add_argument("--step-s", type=float, default=10.0, help="simulation step in seconds (default 10)")
+    sim.add_argument("--seed", type=int, default=7)
+    sim.add_argument("--assumptions", type=Path, default=None, help="assumptions JSON (default autoscale/simulator/assumptions.json)")
+    sim.add_argument("--no-batch", action="store_true", help="simulate without batch-tier work")
+    sim.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "autoscale-simulation.json",
+                     help="JSON results path")
+    sim.add_argument("--img-dir", type=Path, default=REPO_ROOT / "docs" / "img", help="directory for PNG plots")
+    sim.add_argument("--no-plots", action="store_true")
+    sim.add_argument("--no-progress", action="store_true")
+    sim.set_defaults(func=cmd_simulate, handler=cmd_simulate)
+
+    auto = subparsers.add_parser("autoscale", help="the live autoscaler")
+    auto_sub = auto.add_subparsers(dest="autoscale_command", required=True)
+    run = auto_sub.add_parser("run", help="run the controller loop against the router and an actuator")
+    run.add_argument("--actuator", choices=("local", "kubernetes"), default="local")
+    run.add_argument("--interval-s", type=float, default=2.0)
+    run.add_argument("--duration-s", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
+    run.add_argument("--router-url", default=None, help="router admin URL (default from settings)")
+    run.add_argument("--model", default=None, help="only this model's pools")
+    run.add_argument("--max-running-per-replica", type=int, default=8)
+    run.add_argument("--target-load", type=float, default=0.7)
+    run.add_argument("--namespace", default="llm", help="Kubernetes namespace")
+    run.add_argument("--once", action="store_true", help="one tick, print the decisions as JSON, exit")
+    run.set_defaults(func=cmd_autoscale_run, handler=cmd_autoscale_run)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from autoscale.simulator.engine import prepare, run_simulation
+    from autoscale.simulator.report import plot_pngs, results_json, summary_table, write_json
+    from autoscale.simulator.settings import POLICIES, SimSettings
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    settings = SimSettings.from_file(args.assumptions, horizon_h=args.hours, warmup_h=args.warmup_hours,
+                                     step_s=args.step_s, seed=args.seed, batch_enabled=not args.no_batch)
+    console = Console()
+    t0 = time.monotonic()
+    log.info("preparing workload (%.0f M requests/day, %d pools) and forecasts", settings.workload.requests_per_day / 1e6,
+             len(settings.pools()))
+    inputs = prepare(settings, with_forecast="ours" in policies)
+    results = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TimeElapsedColumn(), console=console, disable=args.no_progress) as progress:
+        for name in policies:
+            task = progress.add_task(f"simulating {name}", total=len(inputs.t_s))
+            results[name] = run_simulation(name, settings, inputs, lambda adv, _t=task: progress.advance(_t, adv))
+            progress.update(task, completed=len(inputs.t_s))
+    wall = time.monotonic() - t0
+    payload = results_json(results, settings, wall)
+    write_json(payload, args.out)
+    if not args.no_plots:
+        plot_pngs(results, args.img_dir)
+    table = Table(title=f"{args.hours:.0f} h simulated in {wall:.1f} s (seed {args.seed})")
+    rows = summary_table(results)
+    for col in rows[0]:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*[str(v) for v in row.values()])
+    console.print(table)
+    sizing = payload["peak_sizing"]
+    per_model = ", ".join(f"{m['model']}: {m['gpus']}" for m in sizing["models"])
+    console.print(f"requirements' peak estimate from the assumptions: {sizing['total_gpus']} GPUs ({per_model})")
+    return 0
+
+
+def cmd_autoscale_run(args: argparse.Namespace) -> int:
+    from autoscale.controller import Controller, pools_from_registry
+    from fleet.settings import load_settings
+
+    settings = load_settings()
+    pools = [p for p in pools_from_registry(settings.db_url, settings.region) if args.model in (None, p.spec.model)]
+    if not pools:
+        raise SystemExit("no warm_buffers rows in the registry: nothing to scale (set one per model version)")
+    for pool in pools:
+        pool.max_running_per_replica, pool.target_load = args.max_running_per_replica, args.target_load
+    if args.actuator == "local":
+        from autoscale.actuators.local import LocalActuator
+
+        actuator = LocalActuator(settings, [args.router_url or settings.router_http_url])
+    else:
+        from autoscale.actuators.kubernetes import KubernetesActuator
+
+        actuator = KubernetesActuator(args.namespace)
+    token = settings.admin_token_file.read_text().strip() if settings.admin_token_file.exists() else None
+    controller = Controller(pools, actuator, args.router_url or settings.router_http_url, args.interval_s, admin_token=token)
+    if args.once:
+        print(json.dumps([d.__dict__ for d in controller.tick()], indent=2))
+        return 0
+    signal.signal(signal.SIGTERM, lambda *_: controller.stop())
+    try:
+        controller.run(args.duration_s)
+    except KeyboardInterrupt:
+        controller.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fleet.logs import setup_logging
+
+    setup_logging("autoscale")
+    parser = argparse.ArgumentParser(prog="python -m autoscale.cli")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

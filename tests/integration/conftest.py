@@ -1,0 +1,29 @@
+"""The running platform shared by the integration tests: one `fleet up` per test session (it costs ~40 s),
+and `fleet down` at the end, which must leave no process behind."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from fleet.processes import pid_alive
+from tests.integration.platform import Platform, platform_env
+
+
+@pytest.fixture(scope="session")
+def platform(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("platform")
+    p = Platform(platform_env(data_dir), data_dir)
+    up = p.fleet("up")
+    assert up.returncode == 0, f"fleet up failed:\n{up.stdout}\n{up.stderr}"
+    assert "API key" in up.stdout and p.api_key in up.stdout
+    pids = [json.loads(f.read_text())["pid"] for f in (data_dir / "run").glob("*.json")]
+    assert len(pids) >= 5, "expected broker, loader, replica, router and UI processes"
+    yield p
+    down = p.fleet("down")
+    assert down.returncode == 0, down.stderr
+    time.sleep(1)
+    assert not [pid for pid in pids if pid_alive(pid)], "fleet down left processes behind"
+
+

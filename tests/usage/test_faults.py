@@ -1,0 +1,34 @@
+"""Fault tests with a real broker of their own: outage (paused and restarted), loader kills, router kill.
+Short outages here; bench/usage/faults.py runs the issue's 30 s outage and records it."""
+from __future__ import annotations
+
+import pytest
+
+from usage import faultcheck
+
+pytestmark = pytest.mark.integration
+
+
+def assert_exactly_once(res: dict) -> None:
+    assert res["missing"] == 0, res
+    assert res["duplicates"] == 0, res
+    assert res["unexpected"] == 0, res
+    assert res["emitted"] > 0
+
+
+@pytest.mark.parametrize("mode", ["pause", "restart"])
+def test_broker_outage_under_load(settings, tmp_path, mode):
+    res = faultcheck.broker_outage(settings, tmp_path, outage_s=4, mode=mode, rate=300, warmup_s=2)
+    assert_exactly_once(res)
+    assert res["spooled_peak"] >= 4 * 300 * 0.5  # the events of the outage waited in the spool
+
+
+def test_loader_killed_mid_batch(settings, tmp_path):
+    res = faultcheck.loader_kill(settings, tmp_path, kills=1, interval_s=6, rate=1500)
+    assert_exactly_once(res)
+
+
+def test_router_killed_with_events_in_spool(settings, tmp_path):
+    res = faultcheck.router_kill(settings, tmp_path, rate=1500, run_s=3, broker_down=True)
+    assert_exactly_once(res)
+    assert res["spooled_at_restart"] >= res["emitted"]
