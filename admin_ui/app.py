@@ -9,6 +9,7 @@ import streamlit as st
 from admin_ui import session
 
 st.set_page_config(page_title="LLM fleet admin", page_icon=":material/dns:", layout="wide")
+st.set_option("client.toolbarMode", "viewer")  # no "Deploy" button: this app runs inside the platform
 
 login_page = st.Page("pages/login.py", title="Login", icon=":material/login:", url_path="login")
 if session.role() in session.ROLES:

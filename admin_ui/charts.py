@@ -13,7 +13,7 @@ _LAYOUT = dict(margin=dict(l=10, r=10, t=70, b=10), height=340, legend_title_tex
 def _count_axis(values: pd.Series, **extra) -> dict:
     """A right-hand axis for small whole counts (queue lengths): integer ticks, from zero."""
     top = float(pd.to_numeric(values, errors="coerce").fillna(0).max() or 0)
-    return dict(overlaying="y", side="right", rangemode="tozero", tickformat="d",
+    return dict(overlaying="y", side="right", rangemode="tozero", tickformat="d", tickmode="linear",
                 dtick=max(1, int(top // 4) or 1), showgrid=False, **extra)
 
 
@@ -23,8 +23,8 @@ def ttft_vs_slo(frame: pd.DataFrame) -> go.Figure:
     fig = go.Figure()
     colours = ["#54a24b" if ok else "#e45756" for ok in f["meets_slo"]]
     fig.add_bar(x=f["replica_id"], y=f["ttft_ms_p95"], name="TTFT p95 (ms)", marker_color=colours)
-    fig.add_scatter(x=f["replica_id"], y=f["slo_ttft_ms_p95"], name="SLO (ms)", mode="markers+lines",
-                    line=dict(color="#333", dash="dash"))
+    fig.add_scatter(x=f["replica_id"], y=f["slo_ttft_ms_p95"], name="SLO (ms)", mode="markers",
+                    marker=dict(symbol="line-ew", size=70, line=dict(width=3, color="#333")))
     fig.update_layout(title="TTFT p95 against the tier SLO", yaxis_title="ms", **_LAYOUT)
     return fig
 
@@ -44,7 +44,8 @@ def live_history(history: pd.DataFrame) -> go.Figure:
     """Fleet tokens/s and waiting requests over the samples taken while the page was open."""
     fig = go.Figure()
     fig.add_scatter(x=history["at"], y=history["tokens_per_s"], name="tokens/s", mode="lines+markers")
-    fig.add_scatter(x=history["at"], y=history["waiting"], name="waiting", mode="lines+markers", yaxis="y2")
+    fig.add_scatter(x=history["at"], y=history["waiting"], name="waiting", mode="lines+markers", yaxis="y2",
+                    line=dict(color="#f58518"))
     fig.update_layout(title="Fleet tokens/s and queue (live)", yaxis=dict(title="tokens/s", rangemode="tozero"),
                       yaxis2=_count_axis(history["waiting"], title="waiting"), **_LAYOUT)
     return fig
@@ -56,11 +57,13 @@ def version_comparison(frame: pd.DataFrame) -> go.Figure:
     versions = frame["version"].astype(str)
     fig.add_bar(x=versions, y=frame["ttft_ms_p50"], name="TTFT p50 (ms)")
     fig.add_bar(x=versions, y=frame["ttft_ms_p95"], name="TTFT p95 (ms)")
-    fig.add_scatter(x=versions, y=frame["error_rate"] * 100, name="errors (%)", yaxis="y2", mode="markers",
+    errors_pct = frame["error_rate"].fillna(0) * 100
+    fig.add_scatter(x=versions, y=errors_pct, name="errors (%)", yaxis="y2", mode="markers",
                     marker=dict(size=14, symbol="diamond", color="#e45756"))
     fig.update_layout(title="Versions under rollout: latency and errors", barmode="group",
                       xaxis=dict(title="version", type="category"), yaxis=dict(title="ms"),
-                      yaxis2=dict(title="errors %", overlaying="y", side="right", rangemode="tozero"), **_LAYOUT)
+                      yaxis2=dict(title="errors %", overlaying="y", side="right", showgrid=False, tickmode="auto",
+                                  nticks=6, range=[0, max(5.0, float(errors_pct.max()) * 1.2)]), **_LAYOUT)
     return fig
 
 
@@ -71,8 +74,8 @@ def tokens_stacked(long: pd.DataFrame) -> go.Figure:
                  color_discrete_map=KIND_COLOURS, category_orders={"kind": list(KIND_COLOURS)})
     fig.for_each_annotation(lambda a: a.update(text=a.text.split("=")[-1]))
     fig.update_xaxes(type="category", title_text="")
-    fig.update_layout(title="Tokens by team (prefill / cached / decode)", **{**_LAYOUT, "margin": dict(
-        l=10, r=10, t=90, b=10)})
+    fig.update_layout(title="Tokens by team (prefill / cached / decode)", **{
+        **_LAYOUT, "legend": dict(orientation="v", yanchor="top", y=1, xanchor="left", x=1.01)})
     return fig
 
 

@@ -21,6 +21,12 @@ FLEET_COLUMNS = ["replica_id", "model", "version", "region", "state", "reporting
                  "running", "waiting", "queue_wait_ms_p95", "ttft_ms_p95", "slo_ttft_ms_p95", "meets_slo",
                  "tokens_per_s"]
 
+DECISION_COLUMNS = ["at", "pool", "serving", "starting", "desired", "why"]
+# the replica table's column order on the page: the numbers an operator scans first
+FLEET_VIEW_ORDER = ["replica_id", "version", "state", "kv_utilisation", "waiting", "queue_wait_ms_p95", "ttft_ms_p95",
+                    "slo_ttft_ms_p95", "meets_slo", "tokens_per_s", "running", "inflight", "model", "region",
+                    "reporting"]
+
 
 def _db(db_url: str | None) -> str:
     return db_url or load_settings().db_url
@@ -170,20 +176,23 @@ def append_sample(history: list[dict], frame: pd.DataFrame, at, keep: int = 120)
 
 
 def autoscaler_decisions(data_dir, limit: int = 50) -> pd.DataFrame:
-    """Recent autoscaler decisions from `<data dir>/autoscale/decisions.jsonl` (one JSON object a line:
-    ts, model, version, region, current, desired, reason), newest first; empty when none are recorded."""
+    """Recent autoscaler decisions, newest first, from `<data dir>/autoscale/decisions.jsonl`: one JSON object
+    a line, the controller's Decision (`ts` wall-clock seconds, `pool`, `serving`, `starting`, `desired`,
+    `signals`: the numbers it decided on) plus an optional `reason`. Empty when none are recorded."""
     from pathlib import Path
 
-    cols = ["at", "model", "version", "region", "current", "desired", "reason"]
     path = Path(data_dir) / "autoscale" / "decisions.jsonl"
     if not path.exists():
-        return pd.DataFrame(columns=cols)
+        return pd.DataFrame(columns=DECISION_COLUMNS)
     rows = []
     for line in path.read_text().splitlines()[-limit:]:
         try:
             d = json.loads(line)
         except ValueError:
             continue
-        rows.append({"at": pd.to_datetime(d.get("ts"), unit="s", utc=True) if d.get("ts") else None,
-                     **{c: d.get(c) for c in cols[1:]}})
-    return pd.DataFrame(rows[::-1], columns=cols)
+        ts = d.get("ts")
+        rows.append({"at": pd.to_datetime(ts, unit="s", utc=True) if isinstance(ts, (int, float)) else None,
+                     "pool": d.get("pool") or "/".join(str(d[k]) for k in ("model", "version") if d.get(k)),
+                     "serving": d.get("serving", d.get("current")), "starting": d.get("starting"),
+                     "desired": d.get("desired"), "why": d.get("reason") or _compact(d.get("signals"))})
+    return pd.DataFrame(rows[::-1], columns=DECISION_COLUMNS)

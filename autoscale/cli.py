@@ -111,7 +111,10 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
     if args.actuator == "local":
         from autoscale.actuators.local import LocalActuator
 
-        actuator = LocalActuator(settings, [args.router_url or settings.router_http_url])
+        token = settings.admin_token_file.read_text().strip() if settings.admin_token_file.exists() else None
+        actuator = LocalActuator(settings, [args.router_url or settings.router_http_url], admin_token=token)
+        for pool in pools:
+            actuator.adopt(pool.spec)
     else:
         from autoscale.actuators.kubernetes import KubernetesActuator
 

@@ -88,7 +88,7 @@ class Controller:
             self.policies[pool.spec.name] = ForecastPolicy(
                 guard, forecast_need=forecast, cold_start_s=lambda p=pool: self._cold_start(p),
                 warm_buffer=pool.min_idle_replicas, replica_seconds_per_request=pool.replica_seconds_per_request,
-                target_load=pool.target_load, smoothing_halflife_s=max(interval_s, 2.0))
+                target_load=pool.target_load, smoothing_halflife_s=interval_s / 2)
 
     def _cold_start(self, pool: PoolConfig) -> float:
         measured = self.actuator.cold_start_s(pool.spec)

@@ -71,7 +71,7 @@ def aggregate(model: str, replicas: list[ReplicaSignals], pool: dict, slo_ttft_s
         model=model, serving=n,
         kv_utilisation=sum(r.kv_utilisation for r in serving) / n if n else 0.0,
         running=float(sum(r.running for r in serving)),
-        waiting=float(sum(r.waiting for r in serving) + pool.get("queued", 0)),
+        waiting=float(sum(r.waiting for r in serving) + pool.get("queued", pool.get("waiting", 0))),
         ttft_p95_s=max([r.ttft_ms_p95 for r in serving] + [pool.get("ttft_ms_p95", 0.0)]) / 1000.0,
         queue_wait_p95_s=max([r.queue_wait_ms_p95 for r in serving] + [pool.get("queue_wait_ms_p95", 0.0)]) / 1000.0,
         requests_per_s=float(pool.get("requests_per_s", 0.0)),
@@ -95,9 +95,16 @@ def parse_fleet(payload: dict, model: str, slo_ttft_s: float,
             ttft_ms_p95=float(merged.get("ttft_ms_p95") or 0.0),
             queue_wait_ms_p95=float(merged.get("queue_wait_ms_p95") or 0.0),
             tokens_per_s=float(merged.get("tokens_per_s") or 0.0),
-            draining=bool(merged.get("draining") or merged.get("state") == "draining")))
+            draining=bool(merged.get("draining") or merged.get("state") in ("draining", "cordoned"))))
     pools = payload.get("models") or payload.get("pools") or payload.get("queues") or {}
-    pool = pools.get(model, {}) if isinstance(pools, dict) else next((p for p in pools if p.get("model") == model), {})
+    if isinstance(pools, dict):  # keyed by model, or by "model:version" (the router's admission queues)
+        pool = dict(pools.get(model) or {})
+        for key, stats in pools.items():
+            if key.startswith(f"{model}:") and isinstance(stats, dict):
+                pool["waiting"] = pool.get("waiting", 0) + stats.get("waiting", 0)
+                pool["queue_wait_ms_p95"] = max(pool.get("queue_wait_ms_p95", 0.0), stats.get("queue_wait_ms_p95", 0.0))
+    else:
+        pool = next((p for p in pools if p.get("model") == model), {})
     return aggregate(model, replicas, pool, slo_ttft_s, capacity_tokens_per_s)
 
 

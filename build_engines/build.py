@@ -23,8 +23,8 @@ from typing import Any
 from fleet.settings import Settings
 
 from build_engines import cpu, stage, triton_repo
-from build_engines.plan import (SMOLLM2_ALIAS, BuildError, BuildOptions, BuildPlan, inputs_fingerprint,
-                                inspect_checkpoint, precheck_checkpoint, resolve)
+from build_engines.plan import (SMOLLM2_ALIAS, BuildError, BuildOptions, BuildPlan, check_options,
+                                inputs_fingerprint, inspect_checkpoint, precheck_checkpoint, resolve)
 from build_engines.register import Registration, check_existing, read_row
 
 TOOL_VERSION = "build-engines 0.2"
@@ -133,13 +133,14 @@ def build(opts: BuildOptions, settings: Settings, db_url: str | None = None) -> 
     db_url = db_url or settings.db_url
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
+    check_options(opts)
     ckpt_path, alias = precheck_checkpoint(opts.checkpoint)
     if opts.target == "trtllm":
         from build_engines import trtllm  # GPU target: planned here, executed in NVIDIA's container
         return trtllm.build_trtllm(opts, settings, db_url)
     sha = stage.checkpoint_sha256(ckpt_path, settings.cache_dir / "checksums.json")
     timings["checksum_s"] = time.perf_counter() - t0
-    hint = conversion_cache_dir(settings, alias, sha, opts.dtype or "bf16")
+    hint = conversion_cache_dir(settings, alias, sha, "bf16")  # same config.json whatever the dtype
     plan = resolve(opts, inspect_checkpoint(opts.checkpoint, config_hint=hint))
     fields = plan.fingerprint_fields(sha)
     fingerprint = inputs_fingerprint(fields)

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -152,18 +153,76 @@ def resolve_checkpoint_path(checkpoint: str) -> tuple[Path, str | None]:
     return Path(checkpoint).expanduser().resolve(), None
 
 
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def gguf_metadata(path: Path, skip_prefix: str = "tokenizer.") -> dict[str, Any]:
+    """The key/value metadata of a GGUF file (v2/v3 header), without reading tensors; arrays under
+    `skip_prefix` (the tokenizer's 50k-entry vocab) are skipped rather than decoded."""
+    import mmap
+
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        pos = 0
+
+        def take(fmt: str) -> Any:
+            nonlocal pos
+            (value,) = struct.unpack_from(fmt, mm, pos)
+            pos += struct.calcsize(fmt)
+            return value
+
+        def string() -> str:
+            nonlocal pos
+            n = take("<Q")
+            pos += n
+            return bytes(mm[pos - n:pos]).decode("utf-8", "replace")
+
+        def value(vtype: int, keep: bool) -> Any:
+            nonlocal pos
+            if vtype in _GGUF_SCALARS:
+                return take(_GGUF_SCALARS[vtype])
+            if vtype == 8:
+                return string()
+            if vtype == 9:
+                itype, count = take("<I"), take("<Q")
+                if not keep and itype in _GGUF_SCALARS:
+                    pos += count * struct.calcsize(_GGUF_SCALARS[itype])
+                    return None
+                items = [value(itype, keep) for _ in range(count)]
+                return items if keep else None
+            raise BuildError("--checkpoint", f"{path}: unknown GGUF metadata type {vtype}")
+
+        if bytes(mm[:4]) != b"GGUF":
+            raise BuildError("--checkpoint", f"{path} does not start with the GGUF magic")
+        pos = 4
+        if take("<I") < 2:
+            raise BuildError("--checkpoint", f"{path}: GGUF version 1 is not supported")
+        take("<Q")  # tensor count
+        meta: dict[str, Any] = {}
+        for _ in range(take("<Q")):
+            key = string()
+            keep = not key.startswith(skip_prefix)
+            v = value(take("<I"), keep)
+            if keep:
+                meta[key] = v
+        return meta
+
+
 def gguf_config(path: Path) -> dict[str, Any]:
     """The Hugging Face style config values held in a GGUF file's metadata."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+    try:
+        meta = gguf_metadata(path)
+    except (struct.error, ValueError, IndexError) as exc:
+        if isinstance(exc, BuildError):
+            raise
+        raise BuildError("--checkpoint", f"{path}: unreadable GGUF metadata ({exc})") from None
     arch = meta.get("general.architecture", "")
     if not arch:
         raise BuildError("--checkpoint", f"{path} is a GGUF file without general.architecture metadata")
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
+    if get("attention.head_count") is None:
+        raise BuildError("--checkpoint", f"{path}: GGUF metadata has no {arch}.attention.head_count")
     return {"architecture": arch, "num_attention_heads": get("attention.head_count"),
             "num_key_value_heads": get("attention.head_count_kv"), "max_position_embeddings": get("context_length"),
             "hidden_size": get("embedding_length"), "num_hidden_layers": get("block_count"),
@@ -231,16 +290,23 @@ def inspect_checkpoint(checkpoint: str, config_hint: Path | None = None) -> Chec
 
 # --- resolving defaults and cross-field checks ---------------------------------------------------
 
-def resolve(opts: BuildOptions, ckpt: CheckpointInfo) -> BuildPlan:
-    """Fill target-dependent defaults and check the options against the checkpoint."""
+def check_options(opts: BuildOptions) -> str:
+    """Checks that need no checkpoint (run first, so bad flags fail fast); returns the dtype."""
     allowed = CPU_DTYPES if opts.target == "cpu" else TRTLLM_DTYPES
     dtype = opts.dtype or ("bf16" if opts.target == "cpu" else "fp16")
     if dtype not in allowed:
         raise BuildError("--dtype", f"{dtype!r} is not supported by target {opts.target!r}; allowed: {list(allowed)}")
+    if opts.target == "cpu" and opts.tensor_parallel not in (None, 1):
+        raise BuildError("--tensor-parallel", f"{opts.tensor_parallel}: the cpu target runs one process per "
+                                              "replica; allowed: 1")
+    return dtype
+
+
+def resolve(opts: BuildOptions, ckpt: CheckpointInfo) -> BuildPlan:
+    """Fill target-dependent defaults and check the options against the checkpoint."""
+    dtype = check_options(opts)
     large = ckpt.approx_params >= LARGE_MODEL_PARAMS
     tp = opts.tensor_parallel or (4 if opts.target == "trtllm" and large else 1)
-    if opts.target == "cpu" and tp != 1:
-        raise BuildError("--tensor-parallel", f"{tp}: the cpu target runs one process per replica; allowed: 1")
     heads, kv = ckpt.num_heads, ckpt.num_kv_heads
     if heads % tp:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]

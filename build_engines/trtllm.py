@@ -34,7 +34,8 @@ from typing import Any
 from fleet.settings import REPO_ROOT, Settings
 
 from build_engines import stage, triton_repo
-from build_engines.plan import BuildError, BuildOptions, BuildPlan, inputs_fingerprint, inspect_checkpoint, resolve
+from build_engines.plan import (BuildError, BuildOptions, BuildPlan, inputs_fingerprint, inspect_checkpoint,
+                                precheck_checkpoint, resolve)
 from build_engines.register import Registration, check_existing, read_row
 
 TRTLLM_VERSION = "0.17.0"
@@ -164,10 +165,10 @@ def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str) -> Any:
     """Validate, then either print the plan (--dry-run) or run it, stage it and register it."""
     from build_engines.build import BuildResult, store_uri, version_dir
 
-    ckpt = inspect_checkpoint(opts.checkpoint)
-    if ckpt.kind != "hf":
+    if precheck_checkpoint(opts.checkpoint)[0].is_file():
         raise BuildError("--checkpoint", "the trtllm target needs a Hugging Face folder (safetensors); GGUF "
                                          "checkpoints are only taken by the cpu target")
+    ckpt = inspect_checkpoint(opts.checkpoint)
     plan = resolve(opts, ckpt)
     vdir = version_dir(settings, opts.model, opts.version)
     work = settings.data_dir / "build" / f"{opts.model}-{opts.version}"

@@ -59,9 +59,13 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
         snap = router.registry.snapshot
         replicas = [{"replica_id": r.replica_id, "model": r.model, "version": r.version, "region": r.region,
                      "state": "cordoned" if r.replica_id in router.cordoned else r.state,
-                     "inflight": router.inflight.get(r.replica_id, 0), **router.replica_state.summary(r.replica_id)}
+                     "inflight": router.inflight.get(r.replica_id, 0),
+                     "load_tokens": round(router.chooser.load.get(r.replica_id, 0.0)),
+                     **router.replica_state.summary(r.replica_id)}
                     for r in snap.replicas]
-        return {"registry_version": snap.version, "routes": snap.routes, "replicas": replicas}
+        queues = {name: {"waiting": len(q.waiting), "retry_after_ms": q.retry_after_ms()}
+                  for name, q in router.queues.items()}
+        return {"registry_version": snap.version, "routes": snap.routes, "replicas": replicas, "queues": queues}
 
     @api.post("/models/{name}/rollout")
     async def rollout(name: str, body: RolloutBody, request: Request):
@@ -99,7 +103,7 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
             raise RouterError("not_found", f"unknown replica action {action!r}; allowed: cordon, drain, uncordon")
         await write(lambda s: queries.set_replica_state(s, replica_id, state, actor=actor))
         if state == "serving":
-            router.cordoned.discard(replica_id)
+            router.cordoned.pop(replica_id, None)
         return {"replica_id": replica_id, "state": state}
 
     @api.get("/audit")

@@ -1,8 +1,9 @@
-"""The router's request path: authenticate, resolve model/version/adapter, tokenise, pick a replica,
-proxy the stream (resuming on another replica if one dies), and emit one usage event per request.
+"""The router's request path: authenticate, resolve model/version/adapter, tokenise, admit (queue for
+a replica slot), proxy the stream (resuming on another replica if one dies), and emit one usage event.
 
-Frontends (gRPC, HTTP) call `authenticate`, then `prepare` (all caller errors are raised here, before
-any byte is streamed), then iterate `stream`.
+Frontends call `authenticate`, then `prepare` (all caller errors, shedding and queueing happen here,
+before any byte is streamed; on success a replica slot is reserved), then iterate `stream`, and call
+`release_unstarted` in a `finally` in case `stream` never ran.
 """
 from __future__ import annotations
 
@@ -12,14 +13,21 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from fleet.hashing import prefix_block_hashes
 from router_service import metrics
+from router_service.admission import AdmissionQueue
+from router_service.batch_yield import BatchYield
+from router_service.cancellation import CancelHandle, InflightRequests
 from router_service.errors import RouterError
+from router_service.gateway import Gateway
+from router_service.regions import candidate_tiers, home_region
 from router_service.registry_cache import CallerInfo, ModelInfo, RegistryCache, ReplicaInfo
+from router_service.replica_choice import ChoiceParams, Placement, ReplicaChooser
 from router_service.replica_state import ReplicaStateTable
 from router_service.request import TIERS, Finished, GenerateRequest, TokenDelta
 from router_service.rollout import pick_version
 from router_service.tokenization import TokenizerCache
-from router_service.upstream import ReplicaClient, ReplicaFailed
+from router_service.upstream import Preempted, ReplicaClient, ReplicaFailed
 from usage.events import UsageEvent
 
 log = logging.getLogger(__name__)
@@ -33,18 +41,40 @@ class Prepared:
     model: ModelInfo
     prompt_ids: list[int]
     arrived: float = field(default_factory=time.monotonic)
+    home: str = "local"
+    quota_reserved: int = 0
+    placement: Placement | None = None
+    handle: CancelHandle | None = None
+    started: bool = False
+    _hashes: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+
+    def hashes(self, ids: list[int], block_size: int) -> list[int]:
+        key = (len(ids), block_size)
+        if key not in self._hashes:
+            self._hashes[key] = prefix_block_hashes(ids, block_size)
+        return self._hashes[key]
 
 
 class Router:
-    def __init__(self, registry: RegistryCache, usage_producer=None, region: str = "local") -> None:
+    def __init__(self, registry: RegistryCache, usage_producer=None, region: str = "local",
+                 choice: ChoiceParams | None = None, gateway: Gateway | None = None, max_waiting: int = 256) -> None:
         self.registry = registry
         self.usage = usage_producer
         self.region = region
         self.tokenizers = TokenizerCache()
         self.clients: dict[str, ReplicaClient] = {}
-        self.inflight: dict[str, int] = {}
-        self.cordoned: set[str] = set()
+        self.cordoned: dict[str, float] = {}  # replica -> monotonic time the router cordoned it
         self.replica_state = ReplicaStateTable()
+        self.chooser = ReplicaChooser(self.replica_state, choice)
+        self.gateway = gateway or Gateway()
+        self.queues: dict[str, AdmissionQueue] = {}
+        self.max_waiting = max_waiting
+        self.requests = InflightRequests()
+        self.batch_yield = BatchYield()
+
+    @property
+    def inflight(self) -> dict[str, int]:
+        return self.chooser.inflight
 
     # --- gateway -----------------------------------------------------------------------------------
     def authenticate(self, api_key: str | None) -> CallerInfo:
@@ -64,7 +94,7 @@ class Router:
             raise RouterError("not_found", f"model {req.model!r} is not served; known models: {known}")
         if caller.allowed_models and req.model not in caller.allowed_models:
             raise RouterError("permission_denied", f"caller {caller.name!r} may not use model {req.model!r}")
-        if TIERS.index(req.tier) < TIERS.index(caller.max_tier):
+        if req.tier in TIERS and TIERS.index(req.tier) < TIERS.index(caller.max_tier):
             raise RouterError("permission_denied",
                               f"priority {req.tier!r} is above caller {caller.name!r}'s maximum tier {caller.max_tier!r}")
         if req.version:
@@ -84,11 +114,14 @@ class Router:
                 raise RouterError("not_found", f"adapter {req.adapter!r} does not exist for model {req.model!r}; "
                                                f"known adapters: {', '.join(known) or 'none'}")
             if adapter.owner_team != caller.team and req.adapter not in caller.allowed_adapters:
-                raise RouterError("permission_denied", f"adapter {req.adapter!r} belongs to team {adapter.owner_team!r}")
+                raise RouterError("permission_denied", f"adapter {req.adapter!r} belongs to team {adapter.owner_team!r}, "
+                                                       f"not to caller {caller.name!r}'s team {caller.team!r}")
         return versions[version]
 
     async def prepare(self, caller: CallerInfo, req: GenerateRequest) -> Prepared:
+        """Validate, tokenise, check quota, and wait for a replica slot (admission queue)."""
         try:
+            self.gateway.check_rate(caller.name)
             model = self.resolve_model(caller, req)
             req.validate(model.max_context)
             if req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
@@ -100,20 +133,92 @@ class Router:
                     ids = await asyncio.to_thread(self.tokenizers.encode, model.weights_uri, req.prompt_text or "")
                 req.prompt_ids = ids
             req.check_prompt_fits(model.max_context)
+            p = Prepared(req, caller, model, list(req.prompt_ids), home=home_region(caller.region, self.region))
+            p.quota_reserved = len(p.prompt_ids) + req.max_tokens
+            self.gateway.reserve(caller.name, caller.token_quota_per_day, p.quota_reserved)
         except RouterError as exc:
             metrics.REJECTED.labels(exc.code).inc()
             raise
-        return Prepared(req, caller, model, list(req.prompt_ids))
+        if req.request_id in self.requests.handles:
+            self.gateway.settle(caller.name, p.quota_reserved, 0)
+            raise RouterError("invalid_argument", f"request id {req.request_id!r} is already in flight")
+        p.handle = self.requests.register(req.request_id, caller.name)
+        try:
+            p.placement = await self.admit(p, set(), p.prompt_ids, req.max_tokens)
+        except BaseException as exc:
+            self.requests.unregister(p.handle)
+            self.gateway.settle(caller.name, p.quota_reserved, 0)
+            if isinstance(exc, RouterError):
+                metrics.REJECTED.labels(exc.code).inc()
+            raise
+        return p
 
-    # --- replicas ------------------------------------------------------------------------------------
-    def choose_replica(self, model: ModelInfo, exclude: set[str]) -> ReplicaInfo:
-        candidates = [r for r in self.registry.snapshot.replicas
-                      if r.model == model.name and r.version == model.version and r.state == "serving"
-                      and r.replica_id not in self.cordoned and r.replica_id not in exclude]
-        if not candidates:
-            raise RouterError("unavailable", f"no serving replica for {model.name} version {model.version}",
-                              retry_after_ms=1000)
-        return min(candidates, key=lambda r: self.inflight.get(r.replica_id, 0))
+    # --- admission and replicas ------------------------------------------------------------------------
+    def serving_replicas(self, model: ModelInfo, exclude: set[str]) -> list[ReplicaInfo]:
+        out = []
+        for r in self.registry.snapshot.replicas:
+            if r.model != model.name or r.version != model.version or r.state != "serving" or r.replica_id in exclude:
+                continue
+            cordoned_at = self.cordoned.get(r.replica_id)
+            if cordoned_at is not None:
+                if self.replica_state.full_snapshots.get(r.replica_id, 0.0) <= cordoned_at + 1.0:
+                    continue
+                log.info("replica %s reports again after a restart: uncordoned", r.replica_id)
+                del self.cordoned[r.replica_id]
+            out.append(r)
+        return out
+
+    def queue_for(self, model: ModelInfo) -> AdmissionQueue:
+        key = f"{model.name}:{model.version}"
+        queue = self.queues.get(key)
+        if queue is None:
+            queue = self.queues[key] = AdmissionQueue(key, self.max_waiting)
+        return queue
+
+    async def admit(self, p: Prepared, exclude: set[str], ids: list[int], max_tokens: int) -> Placement:
+        """Reserve a slot on the best replica for prompt `ids`, waiting in the model version's admission
+        queue if none has room now."""
+        req = p.req
+        if not any(candidate_tiers(self.serving_replicas(p.model, exclude), p.home, req.tier)):
+            raise RouterError("unavailable", f"no serving replica for {p.model.name} version {p.model.version} "
+                                             f"in region {p.home!r}", retry_after_ms=1000)
+
+        key = f"{p.model.name}:{p.model.version}"
+
+        def try_place() -> Placement | None:
+            if req.tier == "batch" and not self.batch_yield.batch_may_start(key):
+                return None
+            groups = candidate_tiers(self.serving_replicas(p.model, exclude), p.home, req.tier)
+            for i, group in enumerate(groups):
+                if not group:
+                    continue
+                block_size = self.chooser.block_size(group)
+                hashes = p.hashes(ids, block_size) if block_size else None
+                placed = self.chooser.place(group, req.tier, len(ids), max_tokens, hashes, req.adapter)
+                if placed is not None:
+                    rid = placed.replica.replica_id
+                    metrics.PLACEMENTS.labels(p.model.name, placed.policy, "home" if i == 0 else "overflow").inc()
+                    metrics.INFLIGHT.labels(rid).set(self.inflight[rid])
+                    return placed
+            return None
+
+        def cancelled() -> bool:
+            return p.handle is not None and p.handle.cancelled
+
+        if req.tier == "interactive":
+            self.batch_yield.interactive_arrived(key)
+        return await self.queue_for(p.model).admit(req.tier, req.deadline_ms, try_place, self._release_slot,
+                                                   req.request_id, cancelled)
+
+    def _release_slot(self, placement: Placement, model: ModelInfo | None = None, held_s: float | None = None) -> None:
+        self.chooser.release(placement)
+        rid = placement.replica.replica_id
+        metrics.INFLIGHT.labels(rid).set(self.inflight.get(rid, 0))
+        queue = self.queues.get(f"{placement.replica.model}:{placement.replica.version}")
+        if queue is not None:
+            if held_s is not None:
+                queue.observe_service(held_s, max(1, len(self.inflight)) * self.chooser.params.replica_concurrency)
+            queue.pump()
 
     def client_for(self, replica: ReplicaInfo) -> ReplicaClient:
         client = self.clients.get(replica.replica_id)
@@ -121,56 +226,138 @@ class Router:
             client = self.clients[replica.replica_id] = ReplicaClient(replica.replica_id, replica.grpc_url)
         return client
 
+    def cordon(self, replica_id: str, why: str) -> None:
+        """Stop routing to a replica that failed; recorded in the registry (and its audit log) for the fleet."""
+        if replica_id in self.cordoned:
+            return
+        self.cordoned[replica_id] = time.monotonic()
+        metrics.CORDONS.labels(replica_id).inc()
+        log.warning("cordoned replica %s: %s", replica_id, why)
+        asyncio.get_running_loop().run_in_executor(None, self._record_cordon, replica_id)
+
+    def _record_cordon(self, replica_id: str) -> None:
+        from registry import queries
+        from registry.db import session_scope
+        try:
+            with session_scope(self.registry.db_url) as s:
+                queries.set_replica_state(s, replica_id, "cordoned", actor="router")
+        except Exception as exc:
+            log.warning("could not record cordon of %s in the registry: %s", replica_id, exc)
+
+    def cancel(self, request_id: str, caller: CallerInfo) -> None:
+        if not self.requests.cancel(request_id, caller.name):
+            raise RouterError("not_found", f"no request {request_id!r} of caller {caller.name!r} is in flight")
+
     # --- streaming -----------------------------------------------------------------------------------
+    def release_unstarted(self, p: Prepared) -> None:
+        """Give back the slot, quota reservation and id of a prepared request whose stream never ran."""
+        if p.started:
+            return
+        p.started = True
+        if p.placement is not None:
+            self._release_slot(p.placement)
+            p.placement = None
+        self.gateway.settle(p.caller.name, p.quota_reserved, 0)
+        if p.handle is not None:
+            self.requests.unregister(p.handle)
+
     async def stream(self, p: Prepared) -> AsyncIterator[TokenDelta | Finished]:
-        """Proxy the generation; resumes on another replica from prompt + emitted ids if one fails."""
-        req, emitted = p.req, []
-        tried: set[str] = set()
+        """Proxy the generation; resumes on another replica from prompt + emitted ids if one fails, and
+        re-queues (then resumes) a batch stream preempted for interactive work."""
+        if p.started:
+            raise RuntimeError("a prepared request streams once")
+        p.started = True
+        req, emitted, key = p.req, [], f"{p.model.name}:{p.model.version}"
+        failed: set[str] = set()
+        failures = 0
         first_token_at: float | None = None
         finish: Finished | None = None
-        replica_id, status = "", "error"
+        replica_id, status, placement = "", "error", p.placement
+        cached_tokens = 0
+        if req.tier == "interactive":
+            self.batch_yield.interactive_started(key)
         try:
-            for attempt in range(MAX_ATTEMPTS):
-                replica = self.choose_replica(p.model, tried)
-                replica_id = replica.replica_id
-                tried.add(replica_id)
-                self.inflight[replica_id] = self.inflight.get(replica_id, 0) + 1
-                metrics.INFLIGHT.labels(replica_id).set(self.inflight[replica_id])
+            while True:
+                if p.handle is not None and p.handle.cancelled:
+                    finish = self._finished(p, "cancelled", emitted, replica_id, cached_tokens)
+                    break
+                if placement is None:
+                    try:
+                        placement = await self.admit(p, failed, p.prompt_ids + emitted, req.max_tokens - len(emitted))
+                    except RouterError as exc:
+                        if exc.code not in ("deadline_exceeded", "cancelled"):
+                            raise
+                        finish = self._finished(p, "deadline" if exc.code == "deadline_exceeded" else "cancelled",
+                                                emitted, replica_id, cached_tokens)
+                        break
+                replica_id = placement.replica.replica_id
+                attempt_started, prefill_pending = time.monotonic(), True
+                if req.tier == "batch" and p.handle is not None:
+                    p.handle.preempted = False
+                    self.batch_yield.batch_started(key, p.handle)
                 try:
-                    async for item in self.client_for(replica).generate(
-                            req, p.prompt_ids + emitted, req.max_tokens - len(emitted)):
+                    async for item in self.client_for(placement.replica).generate(
+                            req, p.prompt_ids + emitted, req.max_tokens - len(emitted), p.handle):
                         if isinstance(item, TokenDelta):
                             if first_token_at is None:
                                 first_token_at = time.monotonic()
                                 metrics.TTFT.labels(req.model, req.tier).observe(first_token_at - p.arrived)
+                            if prefill_pending:
+                                prefill_pending = False
+                                self.chooser.progress(placement, placement.load - (req.max_tokens - len(emitted)))
+                            self.chooser.progress(placement, len(item.token_ids))
                             emitted.extend(item.token_ids)
                             yield item
                         else:
-                            finish = Finished(item.finish_reason, len(p.prompt_ids), item.cached_prompt_tokens,
-                                              len(emitted), p.model.name, p.model.version, replica_id)
+                            cached_tokens = item.cached_prompt_tokens if not cached_tokens else cached_tokens
+                            finish = self._finished(p, item.finish_reason, emitted, replica_id, cached_tokens)
                     break
+                except Preempted:
+                    log.info("batch request %s preempted on %s after %d tokens; re-queued", req.request_id,
+                             replica_id, len(emitted))
                 except ReplicaFailed as exc:
-                    log.warning("replica %s failed during %s (attempt %d): %s", replica_id, req.request_id,
-                                attempt + 1, exc)
-                    self.cordoned.add(replica_id)
+                    failures += 1
+                    failed.add(replica_id)
+                    log.warning("replica %s failed during %s after %d tokens (attempt %d): %s", replica_id,
+                                req.request_id, len(emitted), failures, exc)
+                    self.cordon(replica_id, f"stream of {req.request_id} broke: {exc}")
                     if req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
-                        finish = Finished("deadline", len(p.prompt_ids), 0, len(emitted), p.model.name,
-                                          p.model.version, replica_id)
+                        log.info("not retrying %s: its deadline has passed", req.request_id)
+                        finish = self._finished(p, "deadline", emitted, replica_id, cached_tokens)
                         break
-                    if attempt + 1 == MAX_ATTEMPTS:
-                        raise RouterError("unavailable", f"request failed on {MAX_ATTEMPTS} replicas: {exc}")
-                    metrics.RESUMES.labels(req.model).inc()
+                    if failures == MAX_ATTEMPTS:
+                        raise RouterError("unavailable", f"request failed on {MAX_ATTEMPTS} replicas: {exc}") from exc
+                    metrics.RETRIES.labels(req.model).inc()
+                    if emitted:
+                        metrics.RESUMES.labels(req.model).inc()
+                        log.info("resuming %s on another replica from prompt + %d emitted tokens", req.request_id,
+                                 len(emitted))
                 finally:
-                    self.inflight[replica_id] -= 1
-                    metrics.INFLIGHT.labels(replica_id).set(self.inflight[replica_id])
+                    if req.tier == "batch" and p.handle is not None:
+                        self.batch_yield.batch_ended(key, p.handle)
+                    self._release_slot(placement, p.model, time.monotonic() - attempt_started)
+                    placement = p.placement = None
             status = "ok"
             if finish is not None:
+                if finish.finish_reason == "cancelled":
+                    metrics.CANCELS.labels(req.model, "by_id").inc()
                 yield finish
         except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
+            metrics.CANCELS.labels(req.model, "disconnect").inc()
             raise
         finally:
+            if req.tier == "interactive":
+                self.batch_yield.interactive_ended(key)
+            if placement is not None:  # cancelled between admission and the first attempt
+                self._release_slot(placement)
+            if p.handle is not None:
+                self.requests.unregister(p.handle)
+            self.gateway.settle(p.caller.name, p.quota_reserved, len(p.prompt_ids) + len(emitted))
             self._account(p, finish, status, emitted, first_token_at, replica_id)
+
+    def _finished(self, p: Prepared, reason: str, emitted: list[int], replica_id: str, cached: int) -> Finished:
+        return Finished(reason, len(p.prompt_ids), cached, len(emitted), p.model.name, p.model.version, replica_id)
 
     def _account(self, p: Prepared, finish: Finished | None, status: str, emitted: list[int],
                  first_token_at: float | None, replica_id: str) -> None:
@@ -178,16 +365,20 @@ class Router:
         reason = finish.finish_reason if finish else ("cancelled" if status == "cancelled" else "error")
         if status == "ok" and reason == "cancelled":
             status = "cancelled"
+        now = time.monotonic()
         metrics.REQUESTS.labels(req.model, req.tier, status).inc()
         metrics.TOKENS.labels(req.model, req.tier).inc(len(emitted))
         metrics.PROMPT_TOKENS.labels(req.model, req.tier).inc(len(p.prompt_ids))
+        if finish is not None:
+            metrics.CACHED_PROMPT_TOKENS.labels(req.model, req.tier).inc(finish.cached_prompt_tokens)
+        if first_token_at is not None and len(emitted) > 1 and now > first_token_at:
+            metrics.STREAM_TOKENS_PER_S.labels(req.model, req.tier).observe((len(emitted) - 1) / (now - first_token_at))
         if self.usage is None:
             return
-        now = time.monotonic()
         event = UsageEvent(
             request_id=req.request_id, ts=time.time(), caller=p.caller.name, team=p.caller.team,
             model=p.model.name, version=p.model.version, adapter=req.adapter, priority=req.tier,
-            region=self.region, replica_id=replica_id, prompt_tokens=len(p.prompt_ids),
+            region=p.home, replica_id=replica_id, prompt_tokens=len(p.prompt_ids),
             cached_prompt_tokens=finish.cached_prompt_tokens if finish else 0, completion_tokens=len(emitted),
             ttft_ms=round((first_token_at - p.arrived) * 1000, 3) if first_token_at else 0.0,
             duration_ms=round((now - p.arrived) * 1000, 3), finish_reason=reason, status=status)

@@ -14,6 +14,7 @@ _CODES = {
     "deadline_exceeded": (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
     "unavailable": (grpc.StatusCode.UNAVAILABLE, 503),
     "internal": (grpc.StatusCode.INTERNAL, 500),
+    "cancelled": (grpc.StatusCode.CANCELLED, 499),
 }
 
 

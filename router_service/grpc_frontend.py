@@ -84,11 +84,15 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return prepared
 
     async def ModelInfer(self, request, context):
+        prepared = None
         try:
             prepared = await self._run(request, _api_key(context))
             items = [item async for item in self.router.stream(prepared)]
         except RouterError as exc:
             await _abort(context, exc)
+        finally:
+            if prepared is not None:
+                self.router.release_unstarted(prepared)
         return merge_responses(prepared.req, prepared.model.version, items)
 
     async def ModelStreamInfer(self, request_iterator, context):
@@ -98,19 +102,27 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         tasks: set[asyncio.Task] = set()
 
         async def run_one(request: pb.ModelInferRequest) -> None:
+            prepared = None
             try:
                 prepared = await self._run(request, api_key)
                 async for item in self.router.stream(prepared):
-                    await queue.put(pb.ModelStreamInferResponse(
+                    queue.put_nowait(pb.ModelStreamInferResponse(
                         infer_response=encode_response(prepared.req, prepared.model.version, item)))
             except RouterError as exc:
-                await queue.put(exc)
+                queue.put_nowait(exc)
             except Exception as exc:
                 log.exception("stream request failed")
-                await queue.put(RouterError("internal", f"internal error: {exc}"))
+                queue.put_nowait(RouterError("internal", f"internal error: {exc}"))
+            finally:
+                if prepared is not None:
+                    self.router.release_unstarted(prepared)
+
+        pending = 0  # requests whose last queue item (None) has not been taken yet
 
         async def read_requests() -> None:
+            nonlocal pending
             async for request in request_iterator:
+                pending += 1
                 task = asyncio.create_task(run_one(request))
                 tasks.add(task)
                 task.add_done_callback(lambda t: (tasks.discard(t), queue.put_nowait(None)))
@@ -119,13 +131,15 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         reader = asyncio.create_task(read_requests())
         client_done = False
         try:
-            while not (client_done and not tasks):
+            while not (client_done and pending == 0):
                 item = await queue.get()
-                if item == "eof":
+                if item is None:
+                    pending -= 1
+                elif isinstance(item, str):  # "eof": the caller sent all its requests
                     client_done = True
                 elif isinstance(item, RouterError):
                     await _abort(context, item)
-                elif item is not None:
+                else:
                     yield item
         finally:  # caller went away or aborted: cancel upstream work so replicas free KV blocks
             reader.cancel()

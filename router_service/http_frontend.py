@@ -7,6 +7,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
@@ -14,7 +15,10 @@ from router_service.admin_api import admin_router
 from router_service.core import Prepared, Router
 from router_service.errors import RouterError
 from router_service.openai_schema import ChatBody, CompletionBody
-from router_service.request import Finished, TokenDelta
+from router_service.request import TIERS, Finished, TokenDelta
+
+
+MAX_BODY_BYTES = 4_000_000
 
 
 def _error(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
@@ -53,7 +57,8 @@ def create_app(router: Router, admin_tokens: dict[str, str]) -> FastAPI:
         router.authenticate(_bearer(request))
         snap = router.registry.snapshot
         data = [{"id": name, "object": "model", "owned_by": "fleet", "versions": sorted(versions),
-                 "routes": snap.routes.get(name, {}),
+                 "routes": snap.routes.get(name, {}), "tiers": list(TIERS),
+                 "status": {v: info.status for v, info in sorted(versions.items())},
                  "max_context": max(v.max_context for v in versions.values())}
                 for name, versions in sorted(snap.models.items())]
         return {"object": "list", "data": data}
@@ -62,9 +67,14 @@ def create_app(router: Router, admin_tokens: dict[str, str]) -> FastAPI:
         caller = router.authenticate(_bearer(request))
         body = await _parse(request, schema)
         prepared = await router.prepare(caller, body.request())
-        if body.stream:
-            return StreamingResponse(_sse(router, prepared, chat), media_type="text/event-stream")
-        items = [item async for item in router.stream(prepared)]
+        if body.stream:  # the background task frees the slot if the caller left before streaming began
+            return StreamingResponse(_sse(router, prepared, chat), media_type="text/event-stream",
+                                     headers={"x-request-id": prepared.req.request_id},
+                                     background=BackgroundTask(router.release_unstarted, prepared))
+        try:
+            items = [item async for item in router.stream(prepared)]
+        finally:
+            router.release_unstarted(prepared)
         text = "".join(i.text for i in items if isinstance(i, TokenDelta))
         final = next(i for i in items if isinstance(i, Finished))
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": final.finish_reason}
@@ -80,6 +90,13 @@ def create_app(router: Router, admin_tokens: dict[str, str]) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await run(request, ChatBody, chat=True)
+
+    @app.post("/v1/requests/{request_id}/cancel")
+    async def cancel_request(request_id: str, request: Request):
+        """Cancel one of the caller's own in-flight requests by id (the `id` of its completion)."""
+        caller = router.authenticate(_bearer(request))
+        router.cancel(request_id, caller)
+        return {"id": request_id, "cancelled": True}
 
     @app.post("/internal/replica-state")
     async def replica_state(report: dict):
@@ -104,6 +121,8 @@ def _describe(errors) -> str:
 async def _parse(request: Request, schema):
     """Parse the JSON body ourselves so every problem names its field (any Content-Type is accepted)."""
     raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise RouterError("invalid_argument", f"body: {len(raw)} bytes is over the limit of {MAX_BODY_BYTES} bytes")
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -3,16 +3,34 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
+RATE_BUCKETS = (1, 2, 5, 10, 20, 40, 60, 100, 200, 500)
 
 REQUESTS = Counter("fleet_router_requests_total", "Requests finished, by model, tier and outcome",
                    ["model", "tier", "status"])
 REJECTED = Counter("fleet_router_rejected_total", "Requests refused before routing, by error code", ["code"])
 TTFT = Histogram("fleet_router_ttft_seconds", "Time from request arrival to first streamed token",
                  ["model", "tier"], buckets=LATENCY_BUCKETS)
-QUEUE_WAIT = Histogram("fleet_router_queue_wait_seconds", "Time a request waited for a replica",
-                       ["model", "tier"], buckets=LATENCY_BUCKETS)
+QUEUE_WAIT = Histogram("fleet_router_queue_wait_seconds", "Time a request waited in the admission queue for a "
+                       "replica slot", ["model", "tier"], buckets=LATENCY_BUCKETS)
+QUEUE_DEPTH = Gauge("fleet_router_queue_depth", "Requests waiting in the admission queue", ["model", "tier"])
+STREAM_TOKENS_PER_S = Histogram("fleet_router_stream_tokens_per_second", "Decode rate of each finished stream "
+                                "(completion tokens after the first / time since the first token)",
+                                ["model", "tier"], buckets=RATE_BUCKETS)
 TOKENS = Counter("fleet_router_completion_tokens_total", "Completion tokens streamed to callers", ["model", "tier"])
 PROMPT_TOKENS = Counter("fleet_router_prompt_tokens_total", "Prompt tokens routed", ["model", "tier"])
+CACHED_PROMPT_TOKENS = Counter("fleet_router_cached_prompt_tokens_total", "Prompt tokens the replica served from "
+                               "its prefix cache (as the replica reported)", ["model", "tier"])
+SHED = Counter("fleet_router_shed_total", "Requests refused or dropped by admission (queue_full, deadline)",
+               ["model", "tier", "reason"])
 INFLIGHT = Gauge("fleet_router_inflight_requests", "Streams in flight per replica", ["replica"])
-RESUMES = Counter("fleet_router_resumes_total", "Streams resumed on another replica after a failure", ["model"])
+PLACEMENTS = Counter("fleet_router_placements_total", "Replica choices by policy (cost, round_robin) and region "
+                     "(home, overflow)", ["model", "policy", "region"])
+RETRIES = Counter("fleet_router_retries_total", "Attempts on another replica after a replica failure", ["model"])
+RESUMES = Counter("fleet_router_resumes_total", "Streams resumed on another replica after tokens were emitted",
+                  ["model"])
+CORDONS = Counter("fleet_router_cordons_total", "Replicas cordoned by the router after a failure", ["replica"])
+CANCELS = Counter("fleet_router_cancels_total", "Requests cancelled (disconnect, stream cancel, cancel by id)",
+                  ["model", "how"])
+PREEMPTIONS = Counter("fleet_router_preemptions_total", "Batch streams paused for interactive work and re-queued "
+                      "(FLEET_ROUTER_BATCH_YIELD=preempt)", ["model"])

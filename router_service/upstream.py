@@ -4,11 +4,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException
 
+from router_service.cancellation import CancelHandle
 from router_service.request import TIER_INDEX, Finished, GenerateRequest, TokenDelta
 
 ENSEMBLE = "llm"
@@ -17,6 +19,10 @@ OUTPUTS = ("text_output", "output_ids", "finish_reason", "usage")
 
 class ReplicaFailed(Exception):
     """The replica broke the stream (died, refused, or returned an error)."""
+
+
+class Preempted(Exception):
+    """The router cancelled this upstream call to make room for interactive work (see batch_yield)."""
 
 
 def _input(name: str, array: np.ndarray, dtype: str) -> InferInput:
@@ -51,12 +57,13 @@ class ReplicaClient:
     async def close(self) -> None:
         await self.client.close()
 
-    async def generate(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int
-                       ) -> AsyncIterator[TokenDelta | Finished]:
+    async def generate(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int,
+                       handle: CancelHandle | None = None) -> AsyncIterator[TokenDelta | Finished]:
         """Stream deltas then one Finished; raises ReplicaFailed if the replica breaks the stream.
 
         Closing this generator early (caller cancel) cancels the upstream call, so the engine frees the
-        sequence's KV blocks at once.
+        sequence's KV blocks at once. `handle.cancel()` (cancel by id) does the same from elsewhere and
+        this generator then ends with a Finished(`cancelled`).
         """
         done = asyncio.Event()
 
@@ -71,6 +78,10 @@ class ReplicaClient:
             await done.wait()  # keep our side open until the replica has sent its last response
 
         stream = self.client.stream_infer(requests())
+        if handle is not None:
+            handle.upstream = stream
+            if handle.cancelled or handle.preempted:
+                stream.cancel()
         finished = False
         try:
             async for result, error in stream:
@@ -87,10 +98,24 @@ class ReplicaClient:
                     yield Finished(reason, int(usage[0]), int(usage[1]), int(usage[2]), model="", version="",
                                    replica_id=self.replica_id)
                     return
+            if handle is not None and (handle.cancelled or handle.preempted):
+                raise asyncio.CancelledError()  # our own cancel ended the call cleanly; handled below
             raise ReplicaFailed("stream ended without a final response")
-        except InferenceServerException as exc:
-            raise ReplicaFailed(str(exc)) from exc
+        except (InferenceServerException, grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            task = asyncio.current_task()
+            ours = handle is not None and (handle.cancelled or handle.preempted)
+            if isinstance(exc, asyncio.CancelledError) and (not ours or (task is not None and task.cancelling())):
+                raise  # the caller went away: propagate
+            if ours and handle.cancelled:
+                finished = True  # cancelled by id: end the stream cleanly
+                yield Finished("cancelled", len(prompt_ids), 0, 0, model="", version="", replica_id=self.replica_id)
+                return
+            if ours:
+                raise Preempted() from None
+            raise ReplicaFailed(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) from exc
         finally:
+            if handle is not None:
+                handle.upstream = None
             done.set()
             if not finished:
                 stream.cancel()

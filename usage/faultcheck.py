@@ -240,10 +240,22 @@ def router_kill(settings: Settings, work_dir: Path, rate: float = 2000.0, run_s:
     child = subprocess.Popen([sys.executable, "-m", "usage.faultcheck", "emit", "--bootstrap",
                               dead if broker_down else broker.bootstrap, "--spool", str(spool), "--topic", topic,
                               "--prefix", prefix, "--rate", str(rate)], stdout=subprocess.PIPE, text=True)
+    progress = [0]  # emits that had returned when last reported
+
+    def follow() -> None:
+        for line in child.stdout:
+            progress[0] = int(line)
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while progress[0] == 0 and time.monotonic() < deadline and child.poll() is None:
+        time.sleep(0.05)  # the child is importing and starting
     time.sleep(run_s)
     child.kill()
-    out, _ = child.communicate()
-    confirmed = max([int(x) for x in out.split()] or [0])  # emits that had returned when last reported
+    child.wait()
+    reader.join(timeout=5)
+    confirmed = progress[0]
     restarted = UsageProducer(broker.bootstrap, spool, topic=topic)
     spooled_at_restart = restarted.pending()
     restarted.start()

@@ -49,7 +49,7 @@ def ensure_topics(bootstrap_servers: str, topics: list[str], partitions: int = D
     be provisioned by someone else and we may lack the right to create them."""
     try:
         admin = KafkaAdminClient(bootstrap_servers=bootstrap_servers, client_id="usage-admin",
-                                 request_timeout_ms=5000)
+                                 request_timeout_ms=5000, bootstrap_timeout_ms=3000)
     except Exception as exc:  # broker down: the caller retries later
         log.debug("admin client unavailable: %s", exc)
         raise
@@ -65,3 +65,16 @@ def ensure_topics(bootstrap_servers: str, topics: list[str], partitions: int = D
                 log.warning("could not create topics %s: %s", [t.name for t in missing], exc)
     finally:
         admin.close()
+
+
+def close_producer(producer: KafkaProducer, timeout_s: float = 1.0) -> None:
+    """Close a producer even when the broker is gone. kafka-python's close() first flushes and, if that
+    times out, raises before stopping its sender thread, which then lives on (and its __del__ retries);
+    so on failure stop the sender ourselves."""
+    try:
+        producer.close(timeout=timeout_s)
+    except Exception:
+        sender = getattr(producer, "_sender", None)
+        if sender is not None:
+            sender.force_close()
+        producer._closed = True  # nothing left for __del__ to do

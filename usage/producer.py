@@ -20,7 +20,7 @@ from pathlib import Path
 from kafka import KafkaProducer
 
 from usage.events import UsageEvent
-from usage.kafka_io import ensure_topics, make_producer
+from usage.kafka_io import close_producer, ensure_topics, make_producer
 from usage.spool import Spool
 
 log = logging.getLogger(__name__)
@@ -140,8 +140,5 @@ class UsageProducer:
 
     def _drop_kafka(self) -> None:
         if self._kafka is not None:
-            try:
-                self._kafka.close(timeout=1)
-            except Exception:
-                pass
+            close_producer(self._kafka)
             self._kafka = None

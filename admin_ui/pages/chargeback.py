@@ -39,7 +39,7 @@ if costs is not None:
     else:
         total = costs["cost_total"].sum()
         m1, m2, m3 = st.columns(3)
-        m1.metric("cost (price units)", f"{total:,.4f}")
+        m1.metric("cost (price units)", f"{total:,.6f}")
         m2.metric("requests", f"{int(costs['requests'].sum()):,}")
         m3.metric("tokens", f"{int(costs[['prefill_tokens', 'cached_tokens', 'decode_tokens']].sum().sum()):,}")
         st.dataframe(costs, hide_index=True, width="stretch")
@@ -52,7 +52,7 @@ with left:
     prices = session.safe("prices (usage store)", usage_data.prices)
     if prices is not None:
         st.dataframe(prices, hide_index=True, width="stretch")
-        st.caption("Model `*` prices every model without its own row.")
+        st.caption('The "\\*" row prices every model that has no row of its own.')
 with right:
     st.subheader("Top callers")
     top = session.safe("top callers (usage store)", usage_data.top_callers, since, until, team)

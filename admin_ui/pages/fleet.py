@@ -34,20 +34,24 @@ def live_view() -> None:
     cols[3].metric("queued requests", int(frame["waiting"].fillna(0).sum()))
     cols[4].metric("tokens/s", f"{frame['tokens_per_s'].fillna(0).sum():.1f}")
     st.subheader("By model, version and region")
-    st.dataframe(data.fleet_rollup(frame), hide_index=True, width="stretch")
+    st.dataframe(data.fleet_rollup(frame), hide_index=True, width="stretch",
+                 column_config={"tokens_per_s": st.column_config.NumberColumn("tokens/s", format="%.1f")})
     st.subheader("Replicas")
-    st.dataframe(frame, hide_index=True, width="stretch", column_config={
+    st.dataframe(frame, hide_index=True, width="stretch", column_order=data.FLEET_VIEW_ORDER, column_config={
         "kv_utilisation": st.column_config.ProgressColumn("KV used", min_value=0.0, max_value=1.0, format="percent"),
         "ttft_ms_p95": st.column_config.NumberColumn("TTFT p95 (ms)", format="%.0f"),
+        "slo_ttft_ms_p95": st.column_config.NumberColumn("SLO (ms)", format="%d"),
+        "meets_slo": st.column_config.CheckboxColumn("meets SLO"),
         "queue_wait_ms_p95": st.column_config.NumberColumn("queue wait p95 (ms)", format="%.0f"),
         "tokens_per_s": st.column_config.NumberColumn("tokens/s", format="%.1f")})
     if fleet is not None:
         st.session_state["fleet_history"] = data.append_sample(st.session_state.get("fleet_history", []), frame,
                                                                datetime.now(timezone.utc))
         left, right = st.columns(2)
-        left.plotly_chart(charts.ttft_vs_slo(frame), width="stretch")
-        right.plotly_chart(charts.kv_and_queue(frame), width="stretch")
-        st.plotly_chart(charts.live_history(pd.DataFrame(st.session_state["fleet_history"])), width="stretch")
+        left.plotly_chart(charts.ttft_vs_slo(frame), width="stretch", key="fleet_ttft")
+        right.plotly_chart(charts.kv_and_queue(frame), width="stretch", key="fleet_kv")
+        st.plotly_chart(charts.live_history(pd.DataFrame(st.session_state["fleet_history"])), width="stretch",
+                        key="fleet_history_chart")
 
 
 live_view()

@@ -11,15 +11,16 @@ if session.role() in session.ROLES:
         st.rerun()
     st.stop()
 
-st.write("Sign in with a token. Operators (the `admin-token` in the data dir) may change rollouts, "
-         "warm buffers and replica states; viewers (the `viewer-token`: finance, managers) only read.")
-with st.form("login"):
+column = st.columns([2, 3])[0]
+column.write("Sign in with a token. Operators (the `admin-token` in the data dir) may change rollouts, "
+             "warm buffers and replica states; viewers (the `viewer-token`: finance, managers) only read.")
+with column.form("login"):
     token = st.text_input("Admin or viewer token", type="password", key="login_token")
     submitted = st.form_submit_button("Sign in")
 if submitted:
     role, note = session.login(token)
     if role is None:
-        st.error(note)
+        column.error(note)
     else:
         if note:
             st.session_state["flash"] = note

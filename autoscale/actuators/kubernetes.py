@@ -101,7 +101,7 @@ class KubernetesActuator:
         except ApiException as exc:
             if exc.status != 404:
                 raise
-            self.apps.create_namespaced_deployment(self.namespace, manifest)
+            self.apps.create_namespaced_deployment(self.namespace, manifest, _headers={"Content-Type": "application/json"})
             log.info("created deployment %s/%s", self.namespace, name)
             return name
         self.apps.patch_namespaced_deployment(name, self.namespace, manifest)

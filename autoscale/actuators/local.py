@@ -1,11 +1,11 @@
 """Local actuator: starts and stops real `tritonserver` replicas on this machine (what `make up` uses).
 
-Scale-up: pick a free port block, start Triton on the model version's rendered repository in a
-background thread (start_triton waits until ready), record the replica in the registry as
-`starting`, then `serving` once ready; the measured start->ready time feeds the cold-start estimate.
-Scale-down: mark the newest replica `draining` in the registry (routers stop admitting to it), wait
-until the router reports no in-flight streams on it (falling back to Triton's pending-request metric),
-then stop the process and delete its row.
+Scale-up: `fleet.replicas.start_replica` in a background thread (Triton on the model version's
+rendered repository, registered `starting` then `serving`, recorded in the run dir so `make down`
+stops it); the measured start->ready time feeds the cold-start estimate.
+Scale-down: mark the replica `draining` in the registry (routers stop admitting to it), wait until
+the router reports no in-flight streams on it (fallback: Triton's pending-request metric), then stop
+the process and delete its registry row.
 """
 from __future__ import annotations
 
@@ -15,50 +15,69 @@ import re
 import threading
 import time
 import urllib.request
-import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from autoscale.actuators import PoolSpec, ReplicaCounts
 from autoscale.signals import replica_inflight
-from fleet.processes import port_open, stop_pid
+from fleet.replicas import ReplicaSpec, replica_base_port, start_replica, stop_replica
 from fleet.settings import Settings
 from registry.db import session_scope
-from registry.queries import delete_replica, get_model_version, list_replicas, upsert_replica
+from registry.queries import list_replicas, set_replica_state
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class LocalReplica:
-    replica_id: str
+    spec: ReplicaSpec
     pool: PoolSpec
-    base_port: int
-    state: str = "starting"
-    pid: int = 0
+    state: str = "starting"  # starting | serving | draining | stopped | failed
     started_at: float = field(default_factory=time.monotonic)
-    error: str = ""
+    cold_start_s: float = 0.0
+    drain_s: float = 0.0
+    inflight_at_drain: int | None = None
+
+    @property
+    def replica_id(self) -> str:
+        return self.spec.replica_id
 
 
 class LocalActuator:
     """Runs replicas as local processes; thread-safe; every transition is logged and written to the registry."""
 
     def __init__(self, settings: Settings, router_urls: list[str] | None = None, drain_timeout_s: float = 120.0,
-                 start_timeout_s: float = 300.0, admin_token: str | None = None) -> None:
+                 admin_token: str | None = None, first_index: int = 0) -> None:
         self.settings = settings
         self.router_urls = router_urls or [settings.router_http_url]
         self.drain_timeout_s = drain_timeout_s
-        self.start_timeout_s = start_timeout_s
         self.admin_token = admin_token
+        self.first_index = first_index
         self.replicas: dict[str, LocalReplica] = {}
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self.cold_starts_path = settings.data_dir / "autoscale" / "cold_starts.json"
-        self.failed_drains = 0
+        self.forced_stops = 0  # drains that timed out with streams still open
+        self.events: list[dict] = []  # (time, replica, what) for the live benchmark
+
+    def _event(self, replica: LocalReplica, what: str, **extra) -> None:
+        self.events.append({"t": time.time(), "replica_id": replica.replica_id, "event": what, **extra})
 
     # --- bookkeeping -----------------------------------------------------------------------------
+    def adopt(self, pool: PoolSpec) -> None:
+        """Take over replicas of this pool already serving (e.g. the one `make up` started)."""
+        with session_scope(self.settings.db_url) as session:
+            rows = [r for r in list_replicas(session, pool.model) if r.version == pool.version and r.state == "serving"]
+        for row in rows:
+            if row.replica_id in self.replicas:
+                continue
+            index = int(row.replica_id.rsplit("-r", 1)[-1]) if row.replica_id.rsplit("-r", 1)[-1].isdigit() else -1
+            spec = ReplicaSpec(pool.model, pool.version, index)
+            if spec.replica_id == row.replica_id:
+                self.replicas[row.replica_id] = LocalReplica(spec, pool, state="serving", started_at=0.0)
+                log.info("adopted serving replica %s", row.replica_id)
+
     def counts(self, pool: PoolSpec) -> ReplicaCounts:
         with self._lock:
             mine = [r for r in self.replicas.values() if r.pool == pool]
@@ -71,7 +90,10 @@ class LocalActuator:
         return float(np.percentile(starts[-50:], 90)) if starts else None
 
     def _cold_starts(self) -> dict[str, list[float]]:
-        return json.loads(self.cold_starts_path.read_text()) if self.cold_starts_path.exists() else {}
+        try:
+            return json.loads(self.cold_starts_path.read_text())
+        except (OSError, ValueError):
+            return {}
 
     def _record_cold_start(self, model: str, seconds: float) -> None:
         with self._lock:
@@ -80,19 +102,12 @@ class LocalActuator:
             self.cold_starts_path.parent.mkdir(parents=True, exist_ok=True)
             self.cold_starts_path.write_text(json.dumps(data))
 
-    def _free_base_port(self) -> int:
-        used = {r.base_port for r in self.replicas.values()}
-        port = self.settings.replica_base_port
-        while port in used or any(port_open("127.0.0.1", port + i) for i in range(3)):
-            port += 3
-        return port
-
-    def repository(self, pool: PoolSpec) -> Path:
-        with session_scope(self.settings.db_url) as session:
-            row = get_model_version(session, pool.model, pool.version)
-            if row is not None and row.repository_path:
-                return Path(row.repository_path)
-        return self.settings.engines_dir / pool.model / pool.version / "model_repository"
+    def _next_index(self, pool: PoolSpec) -> int:
+        used = {r.spec.index for r in self.replicas.values() if r.pool.model == pool.model and r.state != "stopped"}
+        index = self.first_index
+        while index in used:
+            index += 1
+        return index
 
     # --- scaling ---------------------------------------------------------------------------------
     def scale(self, pool: PoolSpec, desired: int) -> None:
@@ -101,7 +116,7 @@ class LocalActuator:
             for _ in range(desired - current.total):
                 self.start_replica(pool)
         elif desired < current.total:
-            with self._lock:
+            with self._lock:  # cancel starting ones first, then the newest serving ones
                 candidates = sorted((r for r in self.replicas.values() if r.pool == pool and r.state in ("serving", "starting")),
                                     key=lambda r: (r.state != "starting", -r.started_at))
             for replica in candidates[:current.total - desired]:
@@ -109,61 +124,47 @@ class LocalActuator:
 
     def start_replica(self, pool: PoolSpec) -> LocalReplica:
         with self._lock:
-            replica = LocalReplica(f"{pool.name}-{uuid.uuid4().hex[:6]}", pool, self._free_base_port())
+            spec = ReplicaSpec(pool.model, pool.version, self._next_index(pool))
+            replica = LocalReplica(spec, pool)
             self.replicas[replica.replica_id] = replica
-        log.info("starting replica %s (%s/%s) on ports %d-%d", replica.replica_id, pool.model, pool.version,
-                 replica.base_port, replica.base_port + 2)
+        log.info("starting replica %s (%s/%s) on ports from %d", replica.replica_id, pool.model, pool.version,
+                 replica_base_port(self.settings, spec.index))
+        self._event(replica, "start")
         thread = threading.Thread(target=self._start, args=(replica,), name=f"start-{replica.replica_id}", daemon=True)
         thread.start()
         self._threads.append(thread)
         return replica
 
     def _start(self, replica: LocalReplica) -> None:
-        from fleet.services import start_triton
-
-        pool, base = replica.pool, replica.base_port
-        urls = dict(grpc_url=f"127.0.0.1:{base + 1}", http_url=f"http://127.0.0.1:{base}",
-                    metrics_url=f"http://127.0.0.1:{base + 2}/metrics")
-        with session_scope(self.settings.db_url) as session:
-            upsert_replica(session, replica.replica_id, model=pool.model, version=pool.version, region=pool.region,
-                           state="starting", pid=0, **urls)
-        env = {"FLEET_REPLICA_ID": replica.replica_id, "FLEET_MODEL": pool.model, "FLEET_VERSION": pool.version,
-               "FLEET_REGION": pool.region, "FLEET_ROUTER_URLS": ",".join(self.router_urls)}
-        log_path = self.settings.logs_dir / f"replica-{replica.replica_id}.log"
-        t0 = time.monotonic()
         try:
-            proc = start_triton(self.settings, self.repository(pool), base, log_path, extra_env=env,
-                                timeout_s=self.start_timeout_s)
+            replica.cold_start_s = start_replica(self.settings, replica.spec)
         except Exception as exc:  # the replica never became ready: forget it
-            log.error("replica %s failed to start: %s", replica.replica_id, str(exc).splitlines()[0])
-            replica.state, replica.error = "failed", str(exc)
-            with session_scope(self.settings.db_url) as session:
-                delete_replica(session, replica.replica_id)
+            log.error("replica %s failed to start: %s", replica.replica_id, str(exc).splitlines()[0] if str(exc) else exc)
+            replica.state = "failed"
+            self._event(replica, "failed")
+            stop_replica(self.settings, replica.replica_id)
             return
-        cold = time.monotonic() - t0
-        replica.pid = proc.pid
-        if replica.state == "draining":  # scaled down while starting: stop at once
-            stop_pid(proc.pid)
-            with session_scope(self.settings.db_url) as session:
-                delete_replica(session, replica.replica_id)
+        if replica.state == "draining":  # scaled down while starting: nothing was admitted, stop at once
+            stop_replica(self.settings, replica.replica_id)
             replica.state = "stopped"
+            self._event(replica, "stopped")
             return
-        with session_scope(self.settings.db_url) as session:
-            upsert_replica(session, replica.replica_id, state="serving", pid=proc.pid)
         replica.state = "serving"
-        self._record_cold_start(pool.model, cold)
-        log.info("replica %s serving after a %.1f s cold start (pid %d)", replica.replica_id, cold, proc.pid)
+        self._record_cold_start(replica.pool.model, replica.cold_start_s)
+        self._event(replica, "serving", cold_start_s=replica.cold_start_s)
+        log.info("replica %s serving after a %.1f s cold start", replica.replica_id, replica.cold_start_s)
 
     def drain_replica(self, replica_id: str) -> None:
         replica = self.replicas[replica_id]
         was_starting = replica.state == "starting"
         replica.state = "draining"
-        with session_scope(self.settings.db_url) as session:
-            upsert_replica(session, replica_id, state="draining")
+        self._event(replica, "draining")
         if was_starting:
-            log.info("replica %s cancelled while starting; it stops when ready", replica_id)
+            log.info("replica %s cancelled while starting; it stops as soon as it is up", replica_id)
             return
-        log.info("draining replica %s: routers stop admitting; waiting for in-flight streams", replica_id)
+        with session_scope(self.settings.db_url) as session:
+            set_replica_state(session, replica_id, "draining", actor="autoscaler")
+        log.info("draining replica %s: routers stop admitting; waiting for its in-flight streams", replica_id)
         thread = threading.Thread(target=self._drain, args=(replica,), name=f"drain-{replica_id}", daemon=True)
         thread.start()
         self._threads.append(thread)
@@ -173,40 +174,30 @@ class LocalActuator:
             value = replica_inflight(url, replica.replica_id, self.admin_token)
             if value is not None:
                 return value
-        return triton_pending(replica.base_port + 2)
+        return triton_pending(replica_base_port(self.settings, replica.spec.index) + 2)
 
     def _drain(self, replica: LocalReplica) -> None:
-        deadline = time.monotonic() + self.drain_timeout_s
-        time.sleep(1.0)  # let routers see the registry change (they poll about every second)
+        t0 = time.monotonic()
+        deadline = t0 + self.drain_timeout_s
+        replica.inflight_at_drain = self._inflight(replica)
+        time.sleep(1.5)  # routers poll the registry about every second
         while time.monotonic() < deadline:
-            inflight = self._inflight(replica)
-            if inflight == 0:
+            if self._inflight(replica) == 0:
                 break
-            time.sleep(0.5)
+            time.sleep(0.25)
         else:
-            self.failed_drains += 1
+            self.forced_stops += 1
             log.warning("replica %s still had streams after %.0f s; stopping anyway", replica.replica_id, self.drain_timeout_s)
-        stop_pid(replica.pid)
-        with session_scope(self.settings.db_url) as session:
-            delete_replica(session, replica.replica_id)
-        replica.state = "stopped"
-        log.info("replica %s drained and stopped", replica.replica_id)
-
-    def adopt_registry(self, pool: PoolSpec) -> None:
-        """Forget registry rows of this pool whose process is gone (after a controller restart)."""
-        from fleet.processes import pid_alive
-
-        with session_scope(self.settings.db_url) as session:
-            for row in list_replicas(session, pool.model):
-                if row.version == pool.version and row.replica_id not in self.replicas and not (row.pid and pid_alive(row.pid)):
-                    delete_replica(session, row.replica_id)
+        stop_replica(self.settings, replica.replica_id)
+        replica.state, replica.drain_s = "stopped", time.monotonic() - t0
+        self._event(replica, "stopped", drain_s=replica.drain_s, inflight_at_drain=replica.inflight_at_drain)
+        log.info("replica %s drained in %.1f s and stopped", replica.replica_id, replica.drain_s)
 
     def stop_all(self) -> None:
+        """Stop every replica this actuator started (not adopted ones)."""
         for replica in list(self.replicas.values()):
-            if replica.pid and replica.state in ("serving", "draining", "starting"):
-                stop_pid(replica.pid)
-                with session_scope(self.settings.db_url) as session:
-                    delete_replica(session, replica.replica_id)
+            if replica.state in ("serving", "draining", "starting") and replica.started_at > 0:
+                stop_replica(self.settings, replica.replica_id)
                 replica.state = "stopped"
 
     def wait_idle(self, timeout_s: float = 300.0) -> None:

@@ -77,7 +77,7 @@ def _make_policy(name: str, inputs: SimInputs, k: int, fleet: PoolFleet, static_
     if name == "static":
         return StaticPolicy(static_n)
     if name == "reactive-gpu-util":
-        return GpuUtilPolicy(ScalingGuard(min_replicas=1, max_replicas=static_n, down_cooldown_s=300,
+        return GpuUtilPolicy(ScalingGuard(min_replicas=1, max_replicas=fleet_max, down_cooldown_s=300,
                                           down_window_s=300, down_step_fraction=1.0, down_step_interval_s=15))
     if name == "reactive-signals":
         return SignalsPolicy(ScalingGuard(min_replicas=1, max_replicas=fleet_max, up_cooldown_s=30, down_cooldown_s=300,

@@ -3,10 +3,10 @@
 Two styles, both trained on the same generated questions (capitals, colours, arithmetic, animals):
   french      - answers in French ("La capitale de l'Italie est Rome.")
   terse-json  - answers as terse JSON ({"answer": "Rome"})
-LoRA (rank 4, alpha 8) on every projection (q, k, v, o, gate, up, down) of the upper half of the layers
-(so backward stops half-way: training takes minutes on 2 CPU cores); the base model is frozen and loaded with
+LoRA (rank 4, alpha 8) on every projection (q, k, v, o, gate, up, down) of the upper layers (22-29): the
+frozen lower layers run once and their output is reused, so training takes minutes on 2 CPU cores; the base model is frozen and loaded with
 transformers in fp32; loss only on answer tokens. Output: adapter_config.json +
-adapter_model.safetensors (bf16, ~1.2 MB), loadable by PEFT and by our engine.
+adapter_model.safetensors (bf16, ~1 MB), loadable by PEFT and by our engine.
 
     python -m python_backends.engine.lora_train --style french --out adapters/smollm2-135m/french
     python -m python_backends.engine.lora_train --style terse-json --out adapters/smollm2-135m/terse-json
@@ -71,6 +71,11 @@ def chat_prompt(question: str) -> str:
     return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
 
 
+def _layer(layer, h, position_embeddings, positions):
+    out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=position_embeddings)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def train(base_dir: Path, style: str, out_dir: Path, steps: int, rank: int, lr: float, batch: int,
           first_layer: int) -> None:
     import torch
@@ -102,20 +107,37 @@ def train(base_dir: Path, style: str, out_dir: Path, steps: int, rank: int, lr: 
         p_ids = tok(chat_prompt(q), add_special_tokens=False).input_ids
         a_ids = tok(ans, add_special_tokens=False).input_ids + [eos]
         examples.append((p_ids + a_ids, [-100] * len(p_ids) + a_ids))
+    # The frozen lower layers never change: run them once, keep the hidden states entering `first_layer`, and
+    # train only the adapted upper layers (right padding + causal attention: padding never leaks backwards).
+    width = max(len(x) for x, _ in examples)
+    ids = torch.tensor([x + [eos] * (width - len(x)) for x, _ in examples])
+    labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in examples])
+    inner = model.model
+    positions = torch.arange(width).unsqueeze(0)
+    with torch.no_grad():
+        h0 = inner.embed_tokens(ids)
+        for layer in inner.layers[:first_layer]:
+            h0 = _layer(layer, h0, inner.rotary_emb(h0, positions), positions)
     opt = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=0.0)
     rng = random.Random(0)
     t0 = time.time()
     for step in range(steps):
-        chunk = rng.sample(examples, min(batch, len(examples)))
-        width = max(len(x) for x, _ in chunk)
-        ids = torch.tensor([x + [eos] * (width - len(x)) for x, _ in chunk])
-        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in chunk])
-        attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in chunk])
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        rows = torch.tensor(rng.sample(range(len(examples)), min(batch, len(examples))))
+        h = h0[rows]
+        pos = positions.expand(len(rows), -1)
+        emb = inner.rotary_emb(h, pos)
+        for layer in inner.layers[first_layer:]:
+            h = _layer(layer, h, emb, pos)
+        h = inner.norm(h)
+        lab = labels[rows]
+        # logits only where there is a label (next-token targets): the 49k-vocab head is the costly part
+        sel = lab[:, 1:] != -100
+        logits = model.lm_head(h[:, :-1][sel])
+        loss = torch.nn.functional.cross_entropy(logits.float(), lab[:, 1:][sel])
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if step % 5 == 0 or step == steps - 1:
+        if step % 10 == 0 or step == steps - 1:
             print(f"step {step} loss {loss.item():.3f} ({time.time() - t0:.0f} s)", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in params.items()},
@@ -138,11 +160,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--base", type=Path, default=None, help="HF folder of the base model "
                         "(default: the converted SmolLM2 under the cache dir)")
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--first-layer", type=int, default=15, help="adapt layers from this one upwards")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--first-layer", type=int, default=22, help="adapt layers from this one upwards")
     parser.add_argument("--rank", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=5e-3)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=8e-3)
+    parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
     base = args.base or load_settings().cache_dir / "smollm2-135m-bf16"
     train(base, args.style, args.out, args.steps, args.rank, args.lr, args.batch, args.first_layer)

@@ -91,6 +91,9 @@ class TritonMetrics:
         self.tokens_per_s = gauge("fleet_engine_tokens_per_s", "generated tokens per second (5 s window)")
         self.tokens = counter("fleet_engine_generated_tokens_total", "generated tokens")
         self.adapters = gauge("fleet_engine_adapters_loaded", "LoRA adapters resident")
+        self.kv_overhead = gauge("fleet_engine_kv_overhead_max",
+                                 "max over time of KV blocks in use * block_size / resident tokens")
+        self._kv_overhead_max = 0.0
         try:
             hist = fam.HISTOGRAM
             self.ttft = make("fleet_engine_ttft_seconds", "time to first token", hist, buckets=TTFT_BUCKETS)
@@ -113,6 +116,8 @@ class TritonMetrics:
         self.hit_rate.set(engine.kv.hit_rate())
         self.tokens_per_s.set(engine.stats.tokens_per_s())
         self.adapters.set(len(engine.lora.loaded()) if engine.lora else 0)
+        self._kv_overhead_max = max(self._kv_overhead_max, engine.kv_overhead())
+        self.kv_overhead.set(self._kv_overhead_max)
 
 
 class _NoHistogram:

@@ -191,8 +191,8 @@ class ModelRunner:
         for li, L in enumerate(self.layers):
             h = self._rms(x, L["in_norm"])
             qkv = self._lin(h, L["qkv"], li, "qkv", batch)
-            q = self._rope(qkv[:, :H * D].view(T, H, D), cos, sin)
-            k = self._rope(qkv[:, H * D:(H + KV) * D].view(T, KV, D), cos, sin)
+            qk = self._rope(qkv[:, :(H + KV) * D].view(T, H + KV, D), cos, sin)   # q and k in one pass
+            q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + KV) * D:].view(T, KV, D)
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc.index_copy_(0, batch.slot_mapping, k)

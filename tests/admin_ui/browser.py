@@ -35,6 +35,17 @@ def _settle(page, timeout_s: float = 60.0) -> None:
     page.wait_for_timeout(1500)  # plotly and data grids render after the run
 
 
+def _charts_drawn(page, timeout_s: float = 15.0) -> None:
+    """Wait until every plotly chart on the page has drawn its SVG (a live fragment may redraw them)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if page.evaluate("""() => Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]'))
+                .every(c => c.querySelector('.main-svg .plot') !== null)"""):
+            break
+        page.wait_for_timeout(250)
+    page.wait_for_timeout(500)
+
+
 def _report(page, name: str, out: Path) -> PageReport:
     exceptions = [e.inner_text()[:500] for e in page.locator('[data-testid="stException"]').all()]
     errors = [e.inner_text()[:500] for e in page.locator('[data-testid="stAlertContentError"]').all()]
@@ -42,7 +53,8 @@ def _report(page, name: str, out: Path) -> PageReport:
     height = page.evaluate("""() => { const m = document.querySelector('[data-testid="stMain"]')
         || document.querySelector('section.main'); return m ? m.scrollHeight : document.body.scrollHeight; }""")
     page.set_viewport_size({"width": VIEWPORT["width"], "height": int(min(max(height, VIEWPORT["height"]), 5000))})
-    page.wait_for_timeout(1200)
+    _settle(page)
+    _charts_drawn(page)
     page.screenshot(path=str(out), full_page=True)
     page.set_viewport_size(VIEWPORT)
     return PageReport(name, out, exceptions, errors)

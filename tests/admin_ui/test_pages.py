@@ -2,6 +2,7 @@
 pages do when the router or the usage store is down."""
 from __future__ import annotations
 
+import httpx
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -119,8 +120,8 @@ def test_saving_a_warm_buffer_goes_through_the_router(stack, page):
     at.number_input(key="wb_max_replicas").set_value(4)
     at.button[0].click().run()
     assert not at.exception
-    has_endpoint = any(getattr(r, "path", "") == "/admin/warm-buffers/{model}/{version}"
-                       for r in stack.server.config.app.routes)
+    probe = httpx.put(f"http://127.0.0.1:{stack.port}/admin/warm-buffers/x/y", json={}, timeout=10)
+    has_endpoint = probe.status_code != 404  # once the route exists it answers 400/401, never 404
     if has_endpoint:
         assert _buffer(stack.db_url, "2") == (1, 1, 4, 500, 40)
     else:  # the router does not have the endpoint yet: the page says so and nothing is written
@@ -136,10 +137,14 @@ def test_viewer_sees_buffers_and_decisions_but_no_form(stack, page):
 def test_recorded_autoscaler_decisions_are_listed(stack, page):
     log = stack.data_dir / "autoscale" / "decisions.jsonl"
     log.parent.mkdir(parents=True)
-    log.write_text('{"ts": 1790000000, "model": "m", "version": "1", "region": "local", "current": 2, '
-                   '"desired": 3, "reason": "queue wait p95 above target"}\n')
+    log.write_text('{"ts": 1790000000, "pool": "smollm2-135m/1", "serving": 1, "starting": 0, "desired": 2, '
+                   '"signals": {"queue_wait_p95_s": 1.2, "kv": 0.4}}\n'
+                   '{"ts": 1790000010, "pool": "smollm2-135m/1", "serving": 1, "starting": 1, "desired": 2, '
+                   '"reason": "cold start in progress"}\n')
     at = page("buffers")
-    assert at.dataframe[-1].value["reason"].tolist() == ["queue wait p95 above target"]
+    decisions = at.dataframe[-1].value
+    assert decisions["why"].tolist() == ["cold start in progress", '{"kv": 0.4, "queue_wait_p95_s": 1.2}']
+    assert decisions["desired"].tolist() == [2, 2]
 
 
 # --- chargeback --------------------------------------------------------------------------------------------

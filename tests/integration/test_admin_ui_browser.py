@@ -3,38 +3,22 @@ then headless Chromium signs in and renders every page; no Streamlit exception a
 The screenshots go to docs/img/admin-<page>.png (docs/admin_ui.md shows them)."""
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
 import pytest
 
-from fleet.processes import pid_alive
 from fleet.settings import REPO_ROOT
 from registry import queries
 from registry.db import session_scope
 from tests.admin_ui.browser import capture_admin_ui
-from tests.integration.platform import Platform, platform_env
+from tests.integration.platform import Platform
 
 pytestmark = pytest.mark.integration
 MODEL = "smollm2-135m"
 SHOTS = REPO_ROOT / "docs" / "img"
 PROMPTS = ["What is the capital of France?", "Name three primary colours.", "Say hello in Spanish.",
            "What is 2 + 2?"]
-
-
-@pytest.fixture(scope="module")
-def platform(tmp_path_factory):
-    data_dir = tmp_path_factory.mktemp("platform-ui")
-    p = Platform(platform_env(data_dir), data_dir)
-    up = p.fleet("up")
-    assert up.returncode == 0, f"fleet up failed:\n{up.stdout}\n{up.stderr}"
-    pids = [json.loads(f.read_text())["pid"] for f in (data_dir / "run").glob("*.json")]
-    yield p
-    down = p.fleet("down")
-    assert down.returncode == 0, down.stderr
-    time.sleep(1)
-    assert not [pid for pid in pids if pid_alive(pid)], "fleet down left processes behind"
 
 
 def _second_team_key(p: Platform) -> str:
@@ -64,7 +48,9 @@ def _usage_rows(p: Platform) -> int:
 
 
 def test_every_admin_page_renders_with_real_data(platform):
+    """Uses the session's shared platform (tests/integration/conftest.py)."""
     p = platform
+    rows_before = _usage_rows(p)
     search_key = _second_team_key(p)
     time.sleep(1.5)
     sent = 0
@@ -77,9 +63,9 @@ def test_every_admin_page_renders_with_real_data(platform):
                       headers={"authorization": f"Bearer {p.admin_token}"}, timeout=30)
     assert resp.status_code == 200, resp.text
     deadline = time.monotonic() + 90
-    while _usage_rows(p) < sent and time.monotonic() < deadline:
+    while _usage_rows(p) < rows_before + sent and time.monotonic() < deadline:
         time.sleep(1)
-    assert _usage_rows(p) >= sent, "usage events did not reach the store"
+    assert _usage_rows(p) >= rows_before + sent, "usage events did not reach the store"
 
     ui = f"http://127.0.0.1:{p.env['FLEET_ADMIN_UI_PORT']}"
     reports = capture_admin_ui(ui, p.admin_token, SHOTS, simulate=True, timeout_s=180)

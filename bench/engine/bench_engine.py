@@ -1,0 +1,246 @@
+"""Engine benchmark: the same workload against our engine through Triton, transformers `generate` with static
+batches, and llama.cpp's `llama-server --parallel N`, one after another in one run, at several concurrencies.
+
+Workload: Poisson arrivals, prompts of 100-1,000 tokens (half share a 300-token system prompt), outputs of
+16-256 tokens with EOS ignored. Reports throughput (output tokens/s over the makespan), TTFT and inter-token
+latency p50/p95, peak RSS of each system's processes, prefix-cache savings and KV overhead of our engine.
+Writes bench/results/engine-<timestamp>.json and the `## Engine` table of docs/benchmarks.md.
+
+    python -m bench.engine.bench_engine                        # default: concurrency 32, 8, 1
+    python -m bench.engine.bench_engine --concurrency 32 --requests 64 --systems engine,hf,llama
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+from bench.engine.peers import Result, run_llama_server, run_triton, summarize
+from bench.engine.workload import make_workload
+from fleet.processes import free_port, stop_pid
+from fleet.settings import REPO_ROOT, load_settings
+
+RESULTS = REPO_ROOT / "bench" / "results"
+DOC = REPO_ROOT / "docs" / "benchmarks.md"
+
+
+class RssSampler:
+    """Peak summed RSS of a process and its children, sampled every 0.2 s."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                p = psutil.Process(self.pid)
+                rss = p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
+                self.peak = max(self.peak, rss)
+            except psutil.Error:
+                pass
+            self._stop.wait(0.2)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return self.peak
+
+
+def _metric(url: str, name: str) -> float | None:
+    try:
+        for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+    except OSError:
+        return None
+    return None
+
+
+def bench_engine(settings, weights: Path, workloads: dict, args) -> dict:
+    from build_engines.triton_repo import cpu_values, render_repository
+    from fleet.services import start_triton
+
+    out = {}
+    run_dir = settings.data_dir / "bench-engine"
+    repo = render_repository(run_dir / "repo", cpu_values(weights, REPO_ROOT / "adapters" / "smollm2-135m", 2048,
+                                                          args.dtype), steps=("engine",))
+    for conc, reqs in workloads.items():
+        base = free_port()
+        env = {"FLEET_ENGINE_NUM_KV_BLOCKS": str(args.kv_blocks), "FLEET_ENGINE_MAX_NUM_SEQS": str(max(conc, 1)),
+               "FLEET_ENGINE_MAX_NUM_BATCHED_TOKENS": str(args.step_tokens)}
+        proc = start_triton(settings, repo, base, run_dir / f"triton-{conc}.log", extra_env=env)
+        rss = RssSampler(proc.pid)
+        try:
+            results = run_triton(f"127.0.0.1:{base + 1}", reqs, conc)
+            metrics_url = f"http://127.0.0.1:{base + 2}/metrics"
+            time.sleep(0.5)
+            s = summarize(results)
+            s["peak_rss_mb"] = rss.stop() / 2**20
+            s["kv_overhead_max"] = _metric(metrics_url, "fleet_engine_kv_overhead_max")
+            s["preemptions"] = _metric(metrics_url, "fleet_engine_preemptions_total")
+            shared = [r for r, q in zip(results, reqs) if q.shared_prefix and not r.error]
+            s["prefix_saved_shared"] = (sum(r.cached for r in shared) / max(1, sum(r.prompt for r in shared)))
+            s["prefix_saved_all"] = s["cached_prompt_tokens"] / max(1, s["prompt_tokens"])
+        finally:
+            rss.stop()
+            stop_pid(proc.pid)
+        out[str(conc)] = s
+        print(f"engine  c={conc}: {json.dumps(s)}", flush=True)
+    return out
+
+
+def bench_hf(weights: Path, workloads: dict, args) -> dict:
+    out = {}
+    for conc, reqs in workloads.items():
+        tmp = RESULTS / f".hf-{os.getpid()}-{conc}.json"
+        proc = subprocess.Popen([sys.executable, "-m", "bench.engine.bench_engine", "--hf-worker", str(weights),
+                                 "--hf-batch", str(conc), "--hf-out", str(tmp), "--requests", str(len(reqs)),
+                                 "--rate", str(args.rate), "--seed", str(args.seed), "--dtype", args.dtype],
+                                cwd=REPO_ROOT)
+        rss = RssSampler(proc.pid)
+        proc.wait()
+        peak = rss.stop()
+        data = json.loads(tmp.read_text())
+        tmp.unlink()
+        s = summarize([Result(**d) for d in data])
+        s["peak_rss_mb"] = peak / 2**20
+        out[str(conc)] = s
+        print(f"hf      c={conc}: {json.dumps(s)}", flush=True)
+    return out
+
+
+def bench_llama(settings, workloads: dict, args) -> dict:
+    from bench.engine.build_llama_server import build
+    from build_engines.cpu import smollm2_gguf
+
+    binary = build()
+    out = {}
+    for conc, reqs in workloads.items():
+        port = free_port()
+        log = open(settings.data_dir / f"llama-server-{conc}.log", "w")
+        proc = subprocess.Popen([str(binary), "-m", str(smollm2_gguf()), "--parallel", str(conc), "-c",
+                                 str(conc * 1400), "--threads", "2", "--threads-batch", "2", "--port", str(port),
+                                 "--host", "127.0.0.1"],
+                                stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if urllib.request.urlopen(f"{url}/health", timeout=1).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.3)
+        rss = RssSampler(proc.pid)
+        try:
+            s = summarize(run_llama_server(url, reqs, conc))
+            s["peak_rss_mb"] = rss.stop() / 2**20
+        finally:
+            rss.stop()
+            stop_pid(proc.pid)
+        out[str(conc)] = s
+        print(f"llama   c={conc}: {json.dumps(s)}", flush=True)
+    return out
+
+
+def write_doc(report: dict, command: str) -> None:
+    rows = ["| concurrency | system | tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | peak RSS MB |",
+            "|---|---|---|---|---|---|---|---|"]
+    f = lambda v, d=0: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+    for conc in report["concurrency"]:
+        for system in ("engine", "hf", "llama"):
+            s = report["systems"].get(system, {}).get(str(conc))
+            if s:
+                rows.append(f"| {conc} | {system} | {f(s['throughput_tok_s'], 1)} | {f(s['ttft_ms_p50'])} | "
+                            f"{f(s['ttft_ms_p95'])} | {f(s['itl_ms_p50'], 1)} | {f(s['itl_ms_p95'], 1)} | "
+                            f"{f(s['peak_rss_mb'])} |")
+    notes = []
+    for conc in report["concurrency"]:
+        e = report["systems"].get("engine", {}).get(str(conc))
+        if not e:
+            continue
+        parts = [f"c={conc}:"]
+        for peer in ("hf", "llama"):
+            p = report["systems"].get(peer, {}).get(str(conc))
+            if p and p["throughput_tok_s"]:
+                parts.append(f"throughput {e['throughput_tok_s'] / p['throughput_tok_s']:.2f}x {peer}")
+        parts.append(f"prefix-cache saved {100 * e['prefix_saved_shared']:.0f} % of shared-prompt prefill "
+                     f"({100 * e['prefix_saved_all']:.0f} % of all)")
+        if e.get("kv_overhead_max"):
+            parts.append(f"KV overhead max {e['kv_overhead_max']:.3f}x")
+        if e.get("itl_ms_p50"):
+            parts.append(f"decode {1000 / e['itl_ms_p50']:.1f} tok/s per stream (1/ITL p50)")
+        notes.append("- " + ", ".join(parts))
+    section = "\n".join(["## Engine", "", f"Command: `{command}`  ", f"Run: {report['started']} "
+                         f"(machine shared with other jobs; load average at start {report['load_avg']}), "
+                         f"{report['requests']} requests per concurrency level, dtype {report['dtype']}.", "",
+                         *rows, "", *notes, "", f"Raw results: `{report['path']}`", ""])
+    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\n"
+    if "## Engine" in text:
+        head, rest = text.split("## Engine", 1)
+        tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
+        text = head + section + tail.lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 8, 1])
+    parser.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
+    parser.add_argument("--requests-c1", type=int, default=12, help="requests at concurrency 1 (slow)")
+    parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--systems", default="engine,hf,llama")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--kv-blocks", type=int, default=4096)
+    parser.add_argument("--step-tokens", type=int, default=256, help="engine max_num_batched_tokens")
+    parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--hf-batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--hf-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.hf_worker:
+        from dataclasses import asdict
+
+        from bench.engine.peers import hf_worker
+        reqs = make_workload(args.requests, args.rate, args.seed)
+        results = hf_worker(args.hf_worker, reqs, args.hf_batch, args.dtype)
+        Path(args.hf_out).write_text(json.dumps([asdict(r) for r in results]))
+        return
+    settings = load_settings()
+    weights = settings.cache_dir / "smollm2-135m-bf16"
+    workloads = {c: make_workload(args.requests_c1 if c == 1 else args.requests, args.rate, args.seed)
+                 for c in args.concurrency}
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    report = {"started": started, "load_avg": [round(x, 1) for x in os.getloadavg()], "dtype": args.dtype,
+              "concurrency": args.concurrency, "requests": args.requests, "requests_c1": args.requests_c1,
+              "rate": args.rate, "systems": {}}
+    systems = args.systems.split(",")
+    if "engine" in systems:
+        report["systems"]["engine"] = bench_engine(settings, weights, workloads, args)
+    if "hf" in systems:
+        report["systems"]["hf"] = bench_hf(weights, workloads, args)
+    if "llama" in systems:
+        report["systems"]["llama"] = bench_llama(settings, workloads, args)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    report["path"] = str(path.relative_to(REPO_ROOT))
+    path.write_text(json.dumps(report, indent=2))
+    command = "python -m bench.engine.bench_engine " + " ".join(sys.argv[1:])
+    write_doc(report, command.strip())
+    print(f"wrote {path} and {DOC}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The systems the benchmark drives: our engine through Triton (gRPC streaming), transformers `generate`
+with static batches (run in a child process), and llama.cpp's `llama-server --parallel N` (HTTP streaming).
+
+Each client takes requests in arrival order, keeps at most `concurrency` in flight, and records for every
+request its arrival, first-token and per-token times, so all systems are measured the same way.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bench.engine.workload import Request
+
+
+@dataclass
+class Result:
+    idx: int
+    arrival: float
+    token_times: list[float] = field(default_factory=list)
+    n_tokens: int = 0
+    cached: int = 0
+    prompt: int = 0
+    error: str = ""
+
+
+def _dispatch(requests: list[Request], concurrency: int, run_one, t0: float) -> list[Result]:
+    """Open-loop Poisson arrivals, at most `concurrency` requests in flight (the rest queue client-side)."""
+    results = [Result(r.idx, t0 + r.arrival_s) for r in requests]
+    slots = threading.Semaphore(concurrency)
+    threads = []
+    for r, res in zip(requests, results):
+        delay = res.arrival - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        slots.acquire()
+
+        def work(r=r, res=res):
+            try:
+                run_one(r, res)
+            except Exception as exc:   # recorded, reported as an error count
+                res.error = repr(exc)
+            finally:
+                slots.release()
+        th = threading.Thread(target=work, daemon=True)
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    return results
+
+
+def run_triton(grpc_url: str, requests: list[Request], concurrency: int) -> list[Result]:
+    import tritonclient.grpc as grpcclient
+
+    def run_one(r: Request, res: Result) -> None:
+        client = grpcclient.InferenceServerClient(grpc_url)
+        q: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: q.put((result, error, time.time())))
+        ids = grpcclient.InferInput("input_ids", [len(r.prompt_ids)], "INT32")
+        ids.set_data_from_numpy(np.asarray(r.prompt_ids, dtype=np.int32))
+        mt = grpcclient.InferInput("max_tokens", [1], "INT32")
+        mt.set_data_from_numpy(np.asarray([r.max_tokens], dtype=np.int32))
+        client.async_stream_infer("engine", [ids, mt], request_id=str(r.idx),
+                                  parameters={"ignore_eos": True, "llm_priority": 1})
+        try:
+            while True:
+                result, error, t = q.get(timeout=600)
+                if error is not None:
+                    raise RuntimeError(str(error))
+                n = result.as_numpy("output_ids").size
+                res.token_times += [t] * n
+                if result.as_numpy("finish_reason")[0]:
+                    usage = result.as_numpy("usage").tolist()
+                    res.prompt, res.cached, res.n_tokens = usage
+                    return
+        finally:
+            client.stop_stream()
+            client.close()
+
+    return _dispatch(requests, concurrency, run_one, time.time() + 0.5)
+
+
+def run_llama_server(url: str, requests: list[Request], concurrency: int) -> list[Result]:
+    def run_one(r: Request, res: Result) -> None:
+        body = json.dumps({"prompt": r.prompt_ids, "n_predict": r.max_tokens, "stream": True, "ignore_eos": True,
+                           "temperature": 0.0, "cache_prompt": True}).encode()
+        req = urllib.request.Request(f"{url}/completion", data=body, headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=900) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])
+                if event.get("content") or event.get("tokens"):
+                    res.token_times.append(time.time())
+                if event.get("stop"):
+                    timings = event.get("timings", {})
+                    res.n_tokens = int(timings.get("predicted_n", len(res.token_times)))
+                    res.cached = int(timings.get("cache_n", 0))
+                    res.prompt = len(r.prompt_ids)
+                    return
+
+    return _dispatch(requests, concurrency, run_one, time.time() + 0.5)
+
+
+def hf_worker(weights_dir: str, requests: list[Request], batch_size: int, dtype: str = "bf16") -> list[Result]:
+    """Static batching: when idle, take up to batch_size arrived requests, left-pad, `generate` until the
+    longest output of the batch is done. Token times come from a logits processor called once per step."""
+    import torch
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(weights_dir, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+
+    class Clock(LogitsProcessor):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.time())
+            return scores
+
+    t0 = time.time() + 0.5
+    results = {r.idx: Result(r.idx, t0 + r.arrival_s) for r in requests}
+    pending = list(requests)
+    while pending:
+        now = time.time()
+        arrived = [r for r in pending if t0 + r.arrival_s <= now]
+        if not arrived:
+            time.sleep(max(0.0, t0 + pending[0].arrival_s - now))
+            continue
+        batch = arrived[:batch_size]
+        pending = [r for r in pending if r not in batch]
+        width = max(len(r.prompt_ids) for r in batch)
+        ids = torch.tensor([[2] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch])
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
+        n = max(r.max_tokens for r in batch)
+        clock = Clock()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           logits_processor=LogitsProcessorList([clock]), pad_token_id=2)
+        for r in batch:
+            res = results[r.idx]
+            res.token_times = clock.times[:r.max_tokens]
+            res.n_tokens, res.prompt = r.max_tokens, len(r.prompt_ids)
+    return [results[r.idx] for r in requests]
+
+
+def summarize(results: list[Result]) -> dict:
+    ok = [r for r in results if not r.error and r.token_times]
+    ttft = [r.token_times[0] - r.arrival for r in ok]
+    itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    tokens = sum(r.n_tokens for r in ok)
+    start = min(r.arrival for r in results)
+    end = max(r.token_times[-1] for r in ok) if ok else start
+    pct = lambda xs, q: float(np.percentile(xs, q)) * 1000 if xs else None  # noqa: E731
+    return {"requests": len(results), "errors": len(results) - len(ok), "output_tokens": tokens,
+            "duration_s": end - start, "throughput_tok_s": tokens / (end - start) if end > start else 0.0,
+            "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p95": pct(ttft, 95), "itl_ms_p50": pct(itl, 50),
+            "itl_ms_p95": pct(itl, 95), "prompt_tokens": sum(r.prompt for r in ok),
+            "cached_prompt_tokens": sum(r.cached for r in ok),
+            "first_error": next((r.error for r in results if r.error), "")}

@@ -1,0 +1,36 @@
+"""The benchmark workload, identical for every system: Poisson arrivals, prompts of 100-1,000 token ids
+(half of them starting with one shared 300-token system prompt), outputs of 16-256 tokens (EOS ignored, so
+every system does the same work)."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass
+class Request:
+    idx: int
+    arrival_s: float           # offset from the start of the run
+    prompt_ids: list[int]
+    max_tokens: int
+    shared_prefix: bool
+
+
+def make_workload(n: int, rate_per_s: float, seed: int = 0, system_len: int = 300,
+                  prompt_range: tuple[int, int] = (100, 1000), output_range: tuple[int, int] = (16, 256),
+                  vocab: tuple[int, int] = (200, 40000)) -> list[Request]:
+    rng = random.Random(seed)
+    system = [rng.randrange(*vocab) for _ in range(system_len)]
+    t = 0.0
+    out = []
+    for i in range(n):
+        t += rng.expovariate(rate_per_s)
+        total = rng.randrange(prompt_range[0], prompt_range[1] + 1)
+        shared = i % 2 == 0
+        if shared:
+            total = max(total, system_len + 50)
+            prompt = system + [rng.randrange(*vocab) for _ in range(total - system_len)]
+        else:
+            prompt = [rng.randrange(*vocab) for _ in range(total)]
+        out.append(Request(i, t, prompt, rng.randrange(output_range[0], output_range[1] + 1), shared))
+    return out

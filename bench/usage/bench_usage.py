@@ -1,0 +1,142 @@
+"""Usage pipeline benchmark: producer cost on the request path, producer drain rate, loader throughput.
+
+Runs against a fresh embedded tansu broker (or --bootstrap for any Kafka) and writes
+bench/results/usage-throughput.json. Phases:
+1. emit latency: an asyncio loop (like the router's) emits at --rate events/s for --seconds while the
+   producer's sender thread ships them to the broker; p50/p99/p99.9 of `emit()` itself.
+2. producer drain: --events more are emitted as fast as possible, then flush(): spool -> Kafka events/s.
+3. loader: a UsageLoader consumes everything into a fresh DuckDB store; events/s over the batches
+   (and including the consumer-group join, reported separately).
+Targets (issue 5): emit p99 < 0.2 ms; loader >= 20,000 events/s.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from fleet.processes import free_port, stop_pid  # noqa: E402
+from fleet.services import start_tansu  # noqa: E402
+from fleet.settings import load_settings  # noqa: E402
+from usage import store  # noqa: E402
+from usage.faultcheck import make_event  # noqa: E402
+from usage.loader import UsageLoader  # noqa: E402
+from usage.producer import UsageProducer  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(len(s) * q))]
+
+
+async def steady_emit(producer: UsageProducer, rate: float, seconds: float) -> list[float]:
+    """Emit at a steady rate from an event loop; returns emit() durations in seconds."""
+    lat: list[float] = []
+    n = int(rate * seconds)
+    start = time.perf_counter()
+    for i in range(n):
+        ev = make_event(f"lat-{i}", caller=f"caller-{i % 50}", team=f"team-{i % 5}")
+        t0 = time.perf_counter()
+        producer.emit(ev)
+        lat.append(time.perf_counter() - t0)
+        ahead = start + (i + 1) / rate - time.perf_counter()
+        if ahead > 0:
+            await asyncio.sleep(ahead)
+    return lat
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--bootstrap", help="use this Kafka instead of starting a tansu broker")
+    parser.add_argument("--rate", type=float, default=3500.0, help="emit rate of phase 1, events/s (default: %(default)s)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="duration of phase 1 (default: %(default)s)")
+    parser.add_argument("--events", type=int, default=200_000, help="events of phase 2 (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "usage-throughput.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+
+    settings = load_settings()
+    work = Path(tempfile.mkdtemp(prefix="usage-bench-"))
+    broker = None
+    bootstrap = args.bootstrap
+    if not bootstrap:
+        port = free_port()
+        broker = start_tansu(settings, port, work / "tansu.log")
+        bootstrap = f"127.0.0.1:{port}"
+    topic = f"usage-bench-{int(time.time())}"
+    result: dict = {"bench": "usage-throughput", "host": platform.node(), "python": platform.python_version(),
+                    "broker": "tansu (embedded, memory)" if broker else bootstrap, "started": time.time()}
+    try:
+        producer = UsageProducer(bootstrap, work / "spool", topic=topic).start()
+        print(f"phase 1: emit latency at {args.rate:.0f}/s for {args.seconds:.0f} s ...", flush=True)
+        lat = asyncio.run(steady_emit(producer, args.rate, args.seconds))
+        producer.flush(120)
+        result["emit"] = {"events": len(lat), "rate_per_s": args.rate, "p50_ms": round(pct(lat, 0.5) * 1e3, 4),
+                          "p99_ms": round(pct(lat, 0.99) * 1e3, 4), "p999_ms": round(pct(lat, 0.999) * 1e3, 4),
+                          "max_ms": round(max(lat) * 1e3, 3), "target_p99_ms": 0.2}
+        print(json.dumps(result["emit"]), flush=True)
+
+        print(f"phase 2: producer drain of {args.events} events ...", flush=True)
+        events = [make_event(f"bulk-{i}", caller=f"caller-{i % 50}", team=f"team-{i % 5}") for i in range(args.events)]
+        t0 = time.perf_counter()
+        for ev in events:
+            producer.emit(ev)
+        t_emit = time.perf_counter() - t0
+        ok = producer.flush(600)
+        t_all = time.perf_counter() - t0
+        producer.close()
+        result["producer"] = {"events": args.events, "emit_s": round(t_emit, 3), "flushed": ok,
+                              "spool_to_kafka_events_per_s": round(args.events / t_all)}
+        print(json.dumps(result["producer"]), flush=True)
+
+        total = len(lat) + args.events
+        print(f"phase 3: loader, {total} events ...", flush=True)
+        store_path = work / "usage.duckdb"
+        loader = UsageLoader(bootstrap, store_path, topic=topic, group_id=f"g-{topic}", dlq_topic=f"{topic}.dlq")
+        t_start = time.perf_counter()
+        cpu_start = time.process_time()
+        t_first = None
+        while loader.stats["consumed"] < total and time.perf_counter() - t_start < 600:
+            tb = time.perf_counter()
+            n = loader.run_once(2.0)
+            if n and t_first is None:
+                t_first = tb  # the group is joined; throughput counts from this batch
+        t_end = time.perf_counter()
+        cpu = time.process_time() - cpu_start
+        loader.close()
+        with store.connect(store_path, read_only=True) as con:
+            rows = con.execute("SELECT count(*) FROM usage_events").fetchone()[0]
+        result["loader"] = {"events": total, "rows": rows, "batches": loader.stats["batches"],
+                            "events_per_s": round(total / (t_end - t_first)) if t_first else 0,
+                            "events_per_s_incl_group_join": round(total / (t_end - t_start)),
+                            "group_join_s": round((t_first or t_end) - t_start, 2),
+                            # CPU seconds of this process (all threads) per event: robust to other load
+                            "events_per_cpu_s": round(total / cpu) if cpu else 0,
+                            "phase_wall_s": {k: round(v, 2) for k, v in loader.timings.items()},
+                            "load_average_1m": round(os.getloadavg()[0], 2), "target_events_per_s": 20000}
+        print(json.dumps(result["loader"]), flush=True)
+    finally:
+        if broker:
+            stop_pid(broker.pid)
+        shutil.rmtree(work, ignore_errors=True)
+    result["command"] = "python bench/usage/bench_usage.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""Replica choice: prefix affinity + load, with a bounded-load cap, adapter preference and a
+round-robin fallback when state reports stop (DESIGN.md §3 step 3).
+
+cost(replica) = uncached prefill tokens on that replica + load_weight x its load (running + queued tokens)
+              + adapter_miss_tokens if the request's adapter is not loaded there.
+Bounded load: a replica whose load is above (1 + epsilon) x the mean load (the mean counting this request)
+is skipped, even if it holds the prefix (consistent hashing with bounded loads, Mirrokni et al. 2018).
+
+`pick` is a pure function over `ReplicaView`s so the policy simulator in bench/router runs exactly the
+code the router runs. `ReplicaChooser` keeps the router's own view of each replica's load (tokens it sent
+and has not yet seen streamed back), which is fresher than the 200 ms reports.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router_service.registry_cache import ReplicaInfo
+from router_service.replica_state import DEFAULT_BLOCK_SIZE, ReplicaStateTable
+
+
+@dataclass(frozen=True)
+class ChoiceParams:
+    load_weight: float = 1.0          # tokens of prefill saved that one token of load is worth
+    epsilon: float = 0.25             # bounded-load slack: skip replicas above (1 + epsilon) x mean
+    adapter_miss_tokens: int = 256    # cost of loading an adapter that is not resident
+    replica_concurrency: int = 16     # streams in flight per replica (router side) at most
+    batch_share: float = 0.75         # batch streams may use at most this share of a replica's slots
+
+    @classmethod
+    def from_env(cls) -> "ChoiceParams":
+        e = os.environ.get
+        return cls(load_weight=float(e("FLEET_ROUTER_LOAD_WEIGHT", cls.load_weight)),
+                   epsilon=float(e("FLEET_ROUTER_LOAD_EPSILON", cls.epsilon)),
+                   adapter_miss_tokens=int(e("FLEET_ROUTER_ADAPTER_MISS_TOKENS", cls.adapter_miss_tokens)),
+                   replica_concurrency=int(e("FLEET_ROUTER_REPLICA_CONCURRENCY", cls.replica_concurrency)),
+                   batch_share=float(e("FLEET_ROUTER_BATCH_SHARE", cls.batch_share)))
+
+
+@dataclass
+class ReplicaView:
+    replica_id: str
+    load: float            # running + queued tokens
+    cached_blocks: int     # leading prompt blocks cached there
+    has_adapter: bool = True
+
+
+def pick(views: Sequence[ReplicaView], prompt_len: int, block_size: int, new_load: float,
+         params: ChoiceParams) -> int:
+    """Index of the replica to use ("ours"): least cost among replicas under the bounded-load cap."""
+    mean = (sum(v.load for v in views) + new_load) / len(views)
+    cap = (1.0 + params.epsilon) * mean
+    allowed = [i for i, v in enumerate(views) if v.load <= cap] or \
+        [min(range(len(views)), key=lambda i: views[i].load)]
+
+    def cost(i: int) -> tuple[float, float]:
+        v = views[i]
+        uncached = max(0, prompt_len - v.cached_blocks * block_size)
+        miss = 0 if v.has_adapter else params.adapter_miss_tokens
+        return uncached + params.load_weight * v.load + miss, v.load
+    return min(allowed, key=cost)
+
+
+@dataclass
+class Placement:
+    """A reserved slot on one replica; `ReplicaChooser.release` gives it back."""
+    replica: ReplicaInfo
+    tier: str
+    load: float
+    cached_tokens: int
+    policy: str  # "cost" or "round_robin"
+
+
+class ReplicaChooser:
+    def __init__(self, states: ReplicaStateTable, params: ChoiceParams | None = None) -> None:
+        self.states = states
+        self.params = params or ChoiceParams.from_env()
+        self.inflight: dict[str, int] = {}
+        self.batch_inflight: dict[str, int] = {}
+        self.load: dict[str, float] = {}
+        self._rr = itertools.count()
+
+    def has_room(self, replica_id: str, tier: str) -> bool:
+        n, cap = self.inflight.get(replica_id, 0), self.params.replica_concurrency
+        if n >= cap:
+            return False
+        state = self.states.fresh(replica_id)
+        if state is not None and state.report.get("draining"):
+            return False
+        if tier == "batch":
+            return self.batch_inflight.get(replica_id, 0) < max(1, int(cap * self.params.batch_share))
+        return True
+
+    def block_size(self, replicas: Sequence[ReplicaInfo]) -> int | None:
+        """The block size of the first reporting replica, or None when no replica reports (fallback mode)."""
+        for r in replicas:
+            state = self.states.fresh(r.replica_id)
+            if state is not None:
+                return state.block_size
+        return None
+
+    def place(self, replicas: Sequence[ReplicaInfo], tier: str, prompt_len: int, max_tokens: int,
+              hashes: list[int] | None, adapter: str) -> Placement | None:
+        """Choose among `replicas` and reserve a slot there; None when none has room.
+
+        `hashes`: the prompt's block hashes at the reporting replicas' block size (None = no reports).
+        """
+        room = [r for r in replicas if self.has_room(r.replica_id, tier)]
+        if not room:
+            return None
+        reporting = hashes is not None and any(self.states.fresh(r.replica_id) for r in room)
+        if not reporting:
+            replica = room[next(self._rr) % len(room)]
+            return self._reserve(replica, tier, prompt_len + max_tokens, 0, "round_robin", [])
+        block_size = self.block_size(room) or DEFAULT_BLOCK_SIZE
+        views = []
+        for r in room:
+            state = self.states.fresh(r.replica_id)
+            views.append(ReplicaView(r.replica_id, self.load.get(r.replica_id, 0.0),
+                                     self.states.cached_blocks(r.replica_id, hashes),
+                                     not adapter or (state is not None and adapter in state.adapters)))
+        i = pick(views, prompt_len, block_size, prompt_len + max_tokens, self.params)
+        cached = min(prompt_len, views[i].cached_blocks * block_size)
+        return self._reserve(room[i], tier, prompt_len - cached + max_tokens, cached, "cost", hashes)
+
+    def _reserve(self, replica: ReplicaInfo, tier: str, load: float, cached: int, policy: str,
+                 hashes: list[int]) -> Placement:
+        rid = replica.replica_id
+        self.inflight[rid] = self.inflight.get(rid, 0) + 1
+        if tier == "batch":
+            self.batch_inflight[rid] = self.batch_inflight.get(rid, 0) + 1
+        self.load[rid] = self.load.get(rid, 0.0) + load
+        self.states.note_routed(rid, hashes)
+        return Placement(replica, tier, load, cached, policy)
+
+    def progress(self, placement: Placement, tokens: float) -> None:
+        """The replica worked off `tokens` of this request's load (prefill done or tokens streamed)."""
+        tokens = min(tokens, placement.load)
+        placement.load -= tokens
+        rid = placement.replica.replica_id
+        self.load[rid] = max(0.0, self.load.get(rid, 0.0) - tokens)
+
+    def release(self, placement: Placement) -> None:
+        rid = placement.replica.replica_id
+        self.progress(placement, placement.load)
+        self.inflight[rid] = max(0, self.inflight.get(rid, 0) - 1)
+        if placement.tier == "batch":
+            self.batch_inflight[rid] = max(0, self.batch_inflight.get(rid, 0) - 1)

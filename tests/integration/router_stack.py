@@ -1,0 +1,133 @@
+"""A router in front of N real Triton replicas (real SmolLM2 engine), without Kafka or the admin UI:
+what the router's integration tests and bench/router need. Ports are free ones; the data dir is a
+throwaway one; replicas start in parallel."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from fleet import processes
+from fleet.replicas import ReplicaSpec, start_replica
+from fleet.seed import DEFAULT_MODEL, DEFAULT_VERSION, seed
+from fleet.vendor import triton_home
+from fleet.settings import REPO_ROOT, Settings, load_settings
+from registry.db import migrate
+from tests.integration.platform import platform_env
+
+
+@contextmanager
+def _environ(env: dict[str, str]):
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@dataclass
+class RouterStack:
+    env: dict[str, str]
+    settings: Settings
+    api_key: str
+    admin_token: str
+    replica_ids: list[str] = field(default_factory=list)
+    router: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return self.settings.router_http_url
+
+    @property
+    def grpc_url(self) -> str:
+        return self.settings.router_grpc_url
+
+    @classmethod
+    def start(cls, data_dir: Path, replicas: int = 2, engine_env: dict[str, str] | None = None,
+              router_env: dict[str, str] | None = None, router_args: tuple[str, ...] = ("--no-usage",)) -> "RouterStack":
+        env = platform_env(data_dir)
+        env.update(router_env or {})
+        with _environ(env):
+            settings = load_settings()
+        migrate(settings.db_url)
+        subprocess.run([sys.executable, "-m", "build_engines.cli", "--model", DEFAULT_MODEL, "--version",
+                        DEFAULT_VERSION, "--checkpoint", "smollm2", "--target", "cpu"], check=True, cwd=REPO_ROOT,
+                       env=env, capture_output=True)
+        api_key, admin_token = seed(settings)
+        stack = cls(env, settings, api_key, admin_token)
+        stack.start_router(router_args)
+        stack.add_replicas(range(replicas), engine_env)
+        return stack
+
+    def start_router(self, args: tuple[str, ...]) -> None:
+        log = self.settings.logs_dir / "router.log"
+        self.router = processes.spawn([sys.executable, "-m", "router_service", *args], log, env=self.env, cwd=REPO_ROOT)
+        processes.wait_until(lambda: _ok(f"{self.http_url}/health"), 60, "router", self.router, log)
+
+    def add_replicas(self, indexes, engine_env: dict[str, str] | None = None) -> None:
+        errors: list[BaseException] = []
+
+        def one(i: int) -> None:
+            try:
+                start_replica(self.settings, ReplicaSpec(DEFAULT_MODEL, DEFAULT_VERSION, i), engine_env)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+        indexes = list(indexes)
+        all_indexes = list(indexes)
+        triton_home(self.settings)  # install tritonserver into the data dir once, before parallel starts
+        threads = [threading.Thread(target=one, args=(i,)) for i in indexes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        started = [ReplicaSpec(DEFAULT_MODEL, DEFAULT_VERSION, i).replica_id for i in all_indexes]
+        self.replica_ids = sorted({*self.replica_ids, *started})
+        self.wait_reporting(started)
+
+    def fleet(self) -> dict:
+        return httpx.get(f"{self.http_url}/admin/fleet", headers={"authorization": f"Bearer {self.admin_token}"},
+                         timeout=5).json()
+
+    def wait_reporting(self, replica_ids, timeout_s: float = 30) -> None:
+        """Until the router has the replicas in its registry snapshot and fresh state reports from them."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            seen = {r["replica_id"]: r for r in self.fleet()["replicas"]}
+            if all(rid in seen and seen[rid].get("reporting") for rid in replica_ids):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"replicas {replica_ids} not reporting to the router: {self.fleet()}")
+
+    def replica_pid(self, replica_id: str) -> int:
+        path = self.settings.run_dir / f"replica-{replica_id}.json"
+        return json.loads(path.read_text())["pid"]
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.http_url}/metrics", timeout=5).text
+
+    def stop(self) -> None:
+        if self.router is not None:
+            processes.stop_pid(self.router.pid)
+        for info in processes.running(self.settings):
+            if info["alive"]:
+                processes.stop(self.settings, info["name"])
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

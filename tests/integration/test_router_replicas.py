@@ -1,0 +1,148 @@
+"""The router in front of two real Triton replicas (SmolLM2, fp32 so greedy runs are exact):
+state reports and prefix affinity, cancel by id, shedding and priorities under overload, and
+resume after a replica is killed mid-stream. The kill test runs last: it takes a replica down."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import tritonclient.grpc.aio as grpcaio
+
+from tests.integration.router_client import CHATML, p95, stream_once
+from tests.integration.router_stack import RouterStack
+
+pytestmark = pytest.mark.integration
+MODEL = "smollm2-135m"
+SYSTEM = ("<|im_start|>system\nYou are a concise assistant for a travel agency. Answer in one sentence, name "
+          "the country, and never mention prices, dates or availability. Keep a friendly tone, avoid lists, and "
+          "do not ask follow-up questions. If you do not know, say so plainly.<|im_end|>\n")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = RouterStack.start(tmp_path_factory.mktemp("router-stack"), replicas=2,
+                          engine_env={"FLEET_ENGINE_DTYPE": "fp32"},
+                          router_env={"FLEET_ROUTER_REPLICA_CONCURRENCY": "4", "FLEET_ROUTER_BATCH_SHARE": "0.5",
+                                      "FLEET_ROUTER_MAX_WAITING": "8",
+                                      "FLEET_ROUTER_BATCH_YIELD": "preempt"})
+    yield s
+    s.stop()
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _one(stack, prompt, max_tokens=16, **params):
+    client = grpcaio.InferenceServerClient(stack.grpc_url)
+    try:
+        return await stream_once(client, MODEL, prompt, max_tokens, stack.api_key, **params)
+    finally:
+        await client.close()
+
+
+def test_state_reports_and_prefix_affinity(stack):
+    fleet = stack.fleet()
+    assert {r["replica_id"] for r in fleet["replicas"] if r["reporting"]} == set(stack.replica_ids)
+    assert all(r["kv_blocks_total"] > 0 and r["block_size"] == 16 for r in fleet["replicas"])
+    cached = []
+    for q in ("Where is the Eiffel Tower?", "Where is Machu Picchu?", "Where is the Colosseum?"):
+        out = _run(_one(stack, SYSTEM + CHATML.format(q=q), tier="interactive"))
+        assert out.error is None and out.finish_reason in ("stop", "length"), out.error
+        cached.append(out.usage[1])
+    # the shared system prompt (> 4 blocks) is served from the prefix cache after the first turn
+    assert cached[0] == 0 and cached[1] >= 64 and cached[2] >= 64, cached
+    assert 'fleet_router_placements_total{model="smollm2-135m",policy="cost",region="home"}' in stack.metrics()
+
+
+def test_cancel_by_id_ends_the_stream_and_frees_the_slot(stack):
+    headers = {"authorization": f"Bearer {stack.api_key}"}
+    body = {"model": MODEL, "prompt": CHATML.format(q="Tell me a long story about a dragon."), "stream": True,
+            "max_tokens": 300, "temperature": 0}
+    chunks = []
+    with httpx.stream("POST", f"{stack.http_url}/v1/completions", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                c = httpx.post(f"{stack.http_url}/v1/requests/{chunk['id']}/cancel", headers=headers, timeout=5)
+                assert c.status_code == 200, c.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "cancelled"
+    assert chunks[-1]["usage"]["completion_tokens"] < 300
+    assert httpx.post(f"{stack.http_url}/v1/requests/nope/cancel", headers=headers).status_code == 404
+    time.sleep(0.2)
+    assert all(r["inflight"] == 0 for r in stack.fleet()["replicas"])
+
+
+def test_overload_sheds_batch_and_keeps_interactive_ttft(stack):
+    async def interactive_ttfts(n: int) -> list[float]:
+        ttfts = []
+        for i in range(n):
+            out = await _one(stack, CHATML.format(q=f"What is {i} plus {i}?"), 4, tier="interactive")
+            assert out.error is None, out.error
+            ttfts.append(out.ttft_s)
+        return ttfts
+
+    async def main():
+        await interactive_ttfts(2)  # warm up
+        unloaded = await interactive_ttfts(8)
+        client = grpcaio.InferenceServerClient(stack.grpc_url)
+        batch = [asyncio.create_task(stream_once(client, MODEL, CHATML.format(q=f"Write a poem about the number {i}."),
+                                                 48, stack.api_key, tier="batch")) for i in range(30)]
+        await asyncio.sleep(1.0)
+        loaded = await interactive_ttfts(8)
+        results = await asyncio.gather(*batch)
+        await client.close()
+        return unloaded, loaded, results
+
+    unloaded, loaded, results = _run(main())
+    shed = [r for r in results if r.error is not None]
+    done = [r for r in results if r.error is None]
+    assert shed and all(r.error == "RESOURCE_EXHAUSTED" and r.retry_after_ms >= 100 for r in shed), shed[:1]
+    assert done and all(r.finish_reason in ("stop", "length") for r in done)
+    print(f"interactive TTFT p95 unloaded {p95(unloaded) * 1000:.0f} ms, under batch overload "
+          f"{p95(loaded) * 1000:.0f} ms; batch shed {len(shed)}, served {len(done)}")
+    assert p95(loaded) <= 2 * p95(unloaded), (unloaded, loaded)
+    metrics = stack.metrics()
+    assert 'fleet_router_preemptions_total{model="smollm2-135m"}' in metrics
+    assert 'fleet_router_shed_total{model="smollm2-135m",reason="queue_full",tier="batch"}' in metrics
+
+
+def test_replica_killed_mid_stream_resumes_with_identical_text(stack):
+    prompt = CHATML.format(q="Describe the city of Paris in detail.")
+    reference = _run(_one(stack, prompt, 64, tier="interactive"))
+    assert reference.error is None and len(reference.ids) >= 32
+
+    async def main():
+        client = grpcaio.InferenceServerClient(stack.grpc_url)
+        killed: list[str] = []
+
+        async def kill_serving_replica(so_far):
+            if killed or len(so_far.ids) < 8:
+                return
+            busy = [r["replica_id"] for r in stack.fleet()["replicas"] if r["inflight"] > 0]
+            assert len(busy) == 1, busy
+            os.killpg(stack.replica_pid(busy[0]), signal.SIGKILL)
+            killed.append(busy[0])
+        out = await stream_once(client, MODEL, prompt, 64, stack.api_key, on_token=kill_serving_replica,
+                                tier="interactive")
+        await client.close()
+        return out, killed
+
+    out, killed = _run(main())
+    assert killed, "the stream finished before a replica could be killed"
+    assert out.error is None, out.error
+    assert out.ids == reference.ids and out.text == reference.text
+    fleet = {r["replica_id"]: r for r in stack.fleet()["replicas"]}
+    assert fleet[killed[0]]["state"] == "cordoned"
+    assert 'fleet_router_resumes_total{model="smollm2-135m"} 1.0' in stack.metrics()
+    again = _run(_one(stack, CHATML.format(q="Say hello."), 8))  # the surviving replica keeps serving
+    assert again.error is None and again.ids
