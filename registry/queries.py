@@ -16,6 +16,9 @@ from registry.schema import (
 )
 
 
+ROUTABLE_STATUSES = ("staged", "serving", "draining")
+
+
 class RegistryError(ValueError):
     """A write the registry refuses; the message names the field and what is allowed."""
 
@@ -90,9 +93,13 @@ def set_routes(session: Session, model: str, split: dict[str, int], actor: str) 
     for version, percent in split.items():
         if not 0 <= percent <= 100:
             raise RegistryError(f"percent for version {version!r} is {percent}; allowed 0..100")
-        if get_model_version(session, model, version) is None:
+        row = get_model_version(session, model, version)
+        if row is None:
             known = sorted(m.version for m in list_model_versions(session) if m.name == model)
             raise RegistryError(f"model {model!r} has no version {version!r}; known versions: {known}")
+        if percent > 0 and row.status not in ROUTABLE_STATUSES:
+            raise RegistryError(f"version {version!r} of {model!r} is {row.status!r}; only {list(ROUTABLE_STATUSES)} "
+                                f"versions can take traffic")
     if sum(split.values()) != 100:
         raise RegistryError(f"route percents for {model!r} sum to {sum(split.values())}; they must sum to 100")
     before = routes_for(session, model)

@@ -3,7 +3,8 @@
 Runs against a fresh embedded tansu broker (or --bootstrap for any Kafka) and writes
 bench/results/usage-throughput.json. Phases:
 1. emit latency: an asyncio loop (like the router's) emits at --rate events/s for --seconds while the
-   producer's sender thread ships them to the broker; p50/p99/p99.9 of `emit()` itself.
+   producer's sender thread ships them to the broker; p50/p99/p99.9 of `emit()` itself. Peer in the same
+   run: kafka-python's own `send()` called on the request path instead (no spool).
 2. producer drain: --events more are emitted as fast as possible, then flush(): spool -> Kafka events/s.
 3. loader: a UsageLoader consumes everything into a fresh DuckDB store; events/s over the batches
    (and including the consumer-group join, reported separately).
@@ -31,6 +32,7 @@ from fleet.services import start_tansu  # noqa: E402
 from fleet.settings import load_settings  # noqa: E402
 from usage import store  # noqa: E402
 from usage.faultcheck import make_event  # noqa: E402
+from usage.kafka_io import close_producer, make_producer  # noqa: E402
 from usage.loader import UsageLoader  # noqa: E402
 from usage.producer import UsageProducer  # noqa: E402
 
@@ -40,15 +42,20 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(len(s) * q))]
 
 
-async def steady_emit(producer: UsageProducer, rate: float, seconds: float) -> list[float]:
-    """Emit at a steady rate from an event loop; returns emit() durations in seconds."""
+def summary_ms(lat: list[float]) -> dict:
+    return {"p50_ms": round(pct(lat, 0.5) * 1e3, 4), "p99_ms": round(pct(lat, 0.99) * 1e3, 4),
+            "p999_ms": round(pct(lat, 0.999) * 1e3, 4), "max_ms": round(max(lat) * 1e3, 3)}
+
+
+async def steady_emit(emit, rate: float, seconds: float, prefix: str = "lat") -> list[float]:
+    """Call emit(event) at a steady rate from an event loop; returns its durations in seconds."""
     lat: list[float] = []
     n = int(rate * seconds)
     start = time.perf_counter()
     for i in range(n):
-        ev = make_event(f"lat-{i}", caller=f"caller-{i % 50}", team=f"team-{i % 5}")
+        ev = make_event(f"{prefix}-{i}", caller=f"caller-{i % 50}", team=f"team-{i % 5}")
         t0 = time.perf_counter()
-        producer.emit(ev)
+        emit(ev)
         lat.append(time.perf_counter() - t0)
         ahead = start + (i + 1) / rate - time.perf_counter()
         if ahead > 0:
@@ -81,12 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         producer = UsageProducer(bootstrap, work / "spool", topic=topic).start()
         print(f"phase 1: emit latency at {args.rate:.0f}/s for {args.seconds:.0f} s ...", flush=True)
-        lat = asyncio.run(steady_emit(producer, args.rate, args.seconds))
+        lat = asyncio.run(steady_emit(producer.emit, args.rate, args.seconds))
         producer.flush(120)
-        result["emit"] = {"events": len(lat), "rate_per_s": args.rate, "p50_ms": round(pct(lat, 0.5) * 1e3, 4),
-                          "p99_ms": round(pct(lat, 0.99) * 1e3, 4), "p999_ms": round(pct(lat, 0.999) * 1e3, 4),
-                          "max_ms": round(max(lat) * 1e3, 3), "target_p99_ms": 0.2}
+        result["emit"] = {"events": len(lat), "rate_per_s": args.rate, **summary_ms(lat), "target_p99_ms": 0.2}
         print(json.dumps(result["emit"]), flush=True)
+        # Peer: no spool, kafka-python's send() called on the request path (what the spool replaces).
+        direct = make_producer(bootstrap, client_id="bench-direct")
+        peer = asyncio.run(steady_emit(lambda ev: direct.send(f"{topic}-direct", key=ev.key(),
+                                                              value=ev.to_json_bytes()), args.rate, args.seconds))
+        direct.flush(60)
+        close_producer(direct)
+        result["emit_peer_direct_kafka_send"] = {"events": len(peer), "rate_per_s": args.rate, **summary_ms(peer)}
+        print("peer, direct send():", json.dumps(result["emit_peer_direct_kafka_send"]), flush=True)
 
         print(f"phase 2: producer drain of {args.events} events ...", flush=True)
         events = [make_event(f"bulk-{i}", caller=f"caller-{i % 50}", team=f"team-{i % 5}") for i in range(args.events)]

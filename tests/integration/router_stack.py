@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -66,8 +67,12 @@ class RouterStack:
                        env=env, capture_output=True)
         api_key, admin_token = seed(settings)
         stack = cls(env, settings, api_key, admin_token)
-        stack.start_router(router_args)
-        stack.add_replicas(range(replicas), engine_env)
+        try:
+            stack.start_router(router_args)
+            stack.add_replicas(range(replicas), engine_env)
+        except BaseException:
+            stack.stop()
+            raise
         return stack
 
     def start_router(self, args: tuple[str, ...]) -> None:
@@ -121,9 +126,15 @@ class RouterStack:
     def stop(self) -> None:
         if self.router is not None:
             processes.stop_pid(self.router.pid)
+        groups = [info["pid"] for info in processes.running(self.settings)]
         for info in processes.running(self.settings):
             if info["alive"]:
                 processes.stop(self.settings, info["name"])
+        for pgid in groups:  # stop_pid returns once the leader exits; Python-backend stubs may linger
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _ok(url: str) -> bool:

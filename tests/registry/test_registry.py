@@ -34,6 +34,9 @@ def test_routes_are_validated_audited_and_bump_the_version(db_url):
             queries.set_routes(s, "m", {"1": 60, "2": 30}, actor="alice")
         with pytest.raises(queries.RegistryError, match="no version '9'.*known versions: \\['1', '2'\\]"):
             queries.set_routes(s, "m", {"9": 100}, actor="alice")
+        queries.upsert_model_version(s, "m", "3", status="building")
+        with pytest.raises(queries.RegistryError, match="'3' of 'm' is 'building'"):
+            queries.set_routes(s, "m", {"1": 50, "3": 50}, actor="alice")
         with pytest.raises(queries.RegistryError, match="allowed 0..100"):
             queries.set_routes(s, "m", {"1": 130, "2": -30}, actor="alice")
     with session_scope(db_url) as s:  # refused writes changed nothing

