@@ -37,7 +37,8 @@ def login(token: str) -> tuple[str | None, str]:
         role = _role_offline(token, s)
         if role is None:
             return None, f"{exc}; the token does not match the data dir's token files either"
-        note = f"The router is down ({s.router_http_url}); signed in from the data dir's token files, read-only data only."
+        note = (f"The router is down ({s.router_http_url}); signed in from the data dir's token files; "
+                "only what the registry and the usage store hold can be shown.")
     st.session_state["token"], st.session_state["role"] = token, role
     return role, note
 

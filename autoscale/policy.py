@@ -167,8 +167,21 @@ class ForecastPolicy(SignalsPolicy):
         self.warm_buffer = warm_buffer
         self.w = replica_seconds_per_request
 
+    def _offered_work(self, state: PoolState) -> float:
+        """EWMA of the arrivals' work (requests/s x cost): unlike engine load it is not capped at 100 %,
+        so an overload shows its full size at once."""
+        work = state.signals.requests_per_s * self.w
+        prev, last = getattr(self, "_offered", None), getattr(self, "_offered_at", None)
+        if prev is None or last is None:
+            self._offered = work
+        else:
+            alpha = 1.0 - 0.5 ** (max(state.now_s - last, 0.0) / self.halflife_s)
+            self._offered = prev + alpha * (work - prev)
+        self._offered_at = state.now_s
+        return self._offered
+
     def raw_desired(self, state: PoolState) -> int:
-        reactive = self.reactive_need(state)
+        reactive = max(self.reactive_need(state), math.ceil(self._offered_work(state) / self.target_load - 1e-9))
         lead = self.cold_start_s()
         ahead = max(self.forecast_rps(state.now_s + lead), self.forecast_rps(state.now_s + 0.5 * lead))
         forecast = math.ceil(ahead * self.w / self.target_load - 1e-9)

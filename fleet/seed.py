@@ -20,6 +20,7 @@ def seed(settings: Settings) -> tuple[str, str]:
         built = queries.get_model_version(s, DEFAULT_MODEL, DEFAULT_VERSION) is not None
         if built and not queries.routes_for(s, DEFAULT_MODEL):
             queries.set_routes(s, DEFAULT_MODEL, {DEFAULT_VERSION: 100}, actor="fleet-seed")
+            queries.set_model_status(s, DEFAULT_MODEL, DEFAULT_VERSION, "serving")
         existing = settings.dev_api_key_file.read_text().strip() if settings.dev_api_key_file.exists() else ""
         if not existing or queries.caller_by_key(s, existing) is None:
             existing = queries.create_caller(s, "dev", "dev-team", api_key=existing or None)

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from registry import queries
 from registry.db import session_scope
+from registry.warm_buffers import set_warm_buffer
 from router_service.core import Router
 from router_service.errors import RouterError
 
@@ -21,6 +22,15 @@ class RolloutBody(BaseModel):
     version: str | None = None
     percent: int | None = Field(default=None, ge=0, le=100)
     split: dict[str, int] | None = None
+
+
+class WarmBufferBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    min_idle_replicas: int
+    min_replicas: int
+    max_replicas: int
+    slo_ttft_ms_p95: int
+    slo_tokens_per_s: int
 
 
 class VersionBody(BaseModel):
@@ -94,6 +104,12 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
         actor = role_of(request, "operator")
         routes = await write(lambda s: queries.rollback_routes(s, name, actor=actor))
         return {"model": name, "routes": routes}
+
+    @api.put("/warm-buffers/{model}/{version}")
+    async def warm_buffer(model: str, version: str, body: WarmBufferBody, request: Request):
+        actor = role_of(request, "operator")
+        values = await write(lambda s: set_warm_buffer(s, model, version, **body.model_dump(), actor=actor))
+        return {"model": model, "version": version, **values}
 
     @api.post("/replicas/{replica_id}/{action}")
     async def replica_action(replica_id: str, action: str, request: Request):

@@ -120,6 +120,7 @@ class Router:
 
     async def prepare(self, caller: CallerInfo, req: GenerateRequest) -> Prepared:
         """Validate, tokenise, check quota, and wait for a replica slot (admission queue)."""
+        arrived = time.monotonic()
         try:
             self.gateway.check_rate(caller.name)
             model = self.resolve_model(caller, req)
@@ -133,7 +134,8 @@ class Router:
                     ids = await asyncio.to_thread(self.tokenizers.encode, model.weights_uri, req.prompt_text or "")
                 req.prompt_ids = ids
             req.check_prompt_fits(model.max_context)
-            p = Prepared(req, caller, model, list(req.prompt_ids), home=home_region(caller.region, self.region))
+            p = Prepared(req, caller, model, list(req.prompt_ids), arrived=arrived,
+                         home=home_region(caller.region, self.region))
             p.quota_reserved = len(p.prompt_ids) + req.max_tokens
             self.gateway.reserve(caller.name, caller.token_quota_per_day, p.quota_reserved)
         except RouterError as exc:
@@ -292,6 +294,8 @@ class Router:
                         break
                 replica_id = placement.replica.replica_id
                 attempt_started, prefill_pending = time.monotonic(), True
+                if first_token_at is None and not failures:
+                    metrics.DISPATCH.labels(req.model, req.tier).observe(attempt_started - p.arrived)
                 if req.tier == "batch" and p.handle is not None:
                     p.handle.preempted = False
                     self.batch_yield.batch_started(key, p.handle)

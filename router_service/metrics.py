@@ -13,6 +13,9 @@ TTFT = Histogram("fleet_router_ttft_seconds", "Time from request arrival to firs
                  ["model", "tier"], buckets=LATENCY_BUCKETS)
 QUEUE_WAIT = Histogram("fleet_router_queue_wait_seconds", "Time a request waited in the admission queue for a "
                        "replica slot", ["model", "tier"], buckets=LATENCY_BUCKETS)
+DISPATCH = Histogram("fleet_router_dispatch_seconds", "Router time from request arrival to the upstream call "
+                     "(auth, tokenisation, quota, admission queue, replica choice)", ["model", "tier"],
+                     buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5))
 QUEUE_DEPTH = Gauge("fleet_router_queue_depth", "Requests waiting in the admission queue", ["model", "tier"])
 STREAM_TOKENS_PER_S = Histogram("fleet_router_stream_tokens_per_second", "Decode rate of each finished stream "
                                 "(completion tokens after the first / time since the first token)",

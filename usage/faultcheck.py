@@ -158,7 +158,8 @@ def broker_outage(settings: Settings, work_dir: Path, outage_s: float, mode: str
     try:
         wait_stored(store_path, prefix, 1, 60)  # the loader has joined its group and is keeping up
         time.sleep(warmup_s)
-        at_stop = {"emitted": emitter.count, "pending": producer.pending(), "stored": len(stored_ids(store_path, prefix)[1])}
+        at_stop = {"emitted": emitter.count, "pending": producer.pending(),
+                   "stored": len(stored_ids(store_path, prefix)[1])}
         if mode == "pause":
             broker.pause()
         else:

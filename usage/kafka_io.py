@@ -14,7 +14,7 @@ from kafka.errors import TopicAlreadyExistsError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PARTITIONS = 3
+DEFAULT_PARTITIONS = 4  # room for several loader workers in the group
 
 
 def make_producer(bootstrap_servers: str, client_id: str) -> KafkaProducer:

@@ -19,6 +19,8 @@ import json
 import logging
 import operator
 import signal
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -114,7 +116,7 @@ class UsageLoader:
         self.stats["batches"] += 1
         self.stats["consumed"] += len(records)
         self.stats["inserted"] += inserted
-        self.stats["duplicates"] += len(rows) - inserted
+        self.stats["duplicates"] += len(records) - len(rejects) - inserted  # repeats in or across batches
         self.stats["rejected"] += len(rejects)
         return len(records)
 
@@ -231,11 +233,15 @@ def add_load_arguments(parser: argparse.ArgumentParser, settings) -> None:
                         help="Kafka bootstrap servers (default: KAFKA_BOOTSTRAP_SERVERS or %(default)s)")
     parser.add_argument("--store", type=Path, default=settings.usage_db_path, help="DuckDB file (default: %(default)s)")
     parser.add_argument("--topic", default=settings.usage_topic, help="usage topic (default: %(default)s)")
-    parser.add_argument("--dlq-topic", default=settings.usage_dlq_topic, help="dead-letter topic (default: %(default)s)")
+    parser.add_argument("--dlq-topic", default=settings.usage_dlq_topic,
+                        help="dead-letter topic (default: %(default)s)")
     parser.add_argument("--group", default="usage-loader", help="consumer group id (default: %(default)s)")
     parser.add_argument("--check-callers", action=argparse.BooleanOptionalAction, default=True,
                         help="reject events whose caller is not in the registry (default: on when the registry exists)")
     parser.add_argument("--batch-max", type=int, default=50_000, help="most events per batch (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="loader processes in the consumer group; each takes a share of the partitions and "
+                             "the DuckDB file lock serializes their writes (default: %(default)s)")
     parser.add_argument("--once", action="store_true", help="load one batch and exit (for scripts and tests)")
 
 
@@ -255,11 +261,26 @@ def run_from_args(args: argparse.Namespace, settings) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    log.info("usage loader: %s -> %s (topic %s, group %s, caller check %s)", args.bootstrap, args.store,
-             args.topic, args.group, "on" if known else "off")
-    loader.run(stop)
+    children = [subprocess.Popen(_worker_argv(args)) for _ in range(max(0, args.workers - 1))]
+    log.info("usage loader: %s -> %s (topic %s, group %s, caller check %s, %d worker(s))", args.bootstrap,
+             args.store, args.topic, args.group, "on" if known else "off", 1 + len(children))
+    try:
+        loader.run(stop)
+    finally:
+        for child in children:
+            child.terminate()
+        for child in children:
+            child.wait(timeout=30)
     log.info("usage loader stopped: %s", loader.stats)
     return 0
+
+
+def _worker_argv(args: argparse.Namespace) -> list[str]:
+    """The command line of one extra worker: the same loader settings, a single process."""
+    return [sys.executable, "-m", "usage.loader", "--bootstrap", args.bootstrap, "--store", str(args.store),
+            "--topic", args.topic, "--dlq-topic", args.dlq_topic, "--group", args.group,
+            "--batch-max", str(args.batch_max), "--workers", "1",
+            "--check-callers" if args.check_callers else "--no-check-callers"]
 
 
 def _registry_configured(settings) -> bool:

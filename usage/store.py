@@ -106,7 +106,7 @@ def connect(store_path: Path, read_only: bool = False, timeout_s: float = LOCK_R
             if not _is_lock_error(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(delay)
-            delay = min(delay * 2, 0.2)
+            delay = min(delay * 2, 0.05)  # short: the holder is usually a ~0.1-1 s batch or query
     try:
         if not read_only:
             _ensure_schema(con)

@@ -39,8 +39,8 @@ if session.is_operator():
                               f"{model} v{version} set to {percent} %", box)
     with full:
         cols = st.columns(max(len(known), 1))
-        new_split = {v: int(cols[i].number_input(f"v{v} %", value=int(split.get(v, 0)), step=1, key=f"split_{model}_{v}"))
-                     for i, v in enumerate(known)}
+        new_split = {v: int(cols[i].number_input(f"v{v} %", value=int(split.get(v, 0)), step=1,
+                                                 key=f"split_{model}_{v}")) for i, v in enumerate(known)}
         box = st.container()
         if st.button("Apply split", key="apply_split"):
             problems = data.validate_split(new_split, known)

@@ -87,7 +87,7 @@ def _make_policy(name: str, inputs: SimInputs, k: int, fleet: PoolFleet, static_
         wl = inputs.settings.workload
         w = model.replica_seconds(inputs.workload.prompts.mean, wl.output_tokens_mean)
         guard = ScalingGuard(min_replicas=max(2, model.min_idle_replicas), max_replicas=fleet_max, down_cooldown_s=600,
-                             down_window_s=600, down_step_fraction=0.05, down_step_interval_s=120)
+                             down_window_s=300, down_step_fraction=0.05, down_step_interval_s=120)
         return ForecastPolicy(guard, forecast_need=lambda now: float(fc.predict(now - inputs.history_end_s)),
                               cold_start_s=fleet.cold_start_estimate, warm_buffer=model.min_idle_replicas,
                               replica_seconds_per_request=w,

@@ -77,7 +77,8 @@ def bench_engine(settings, weights: Path, workloads: dict, args) -> dict:
     for conc, reqs in workloads.items():
         base = free_port()
         env = {"FLEET_ENGINE_NUM_KV_BLOCKS": str(args.kv_blocks), "FLEET_ENGINE_MAX_NUM_SEQS": str(max(conc, 1)),
-               "FLEET_ENGINE_MAX_NUM_BATCHED_TOKENS": str(args.step_tokens)}
+               "FLEET_ENGINE_MAX_NUM_BATCHED_TOKENS": str(args.step_tokens), "FLEET_ENGINE_THREADS": str(args.threads),
+               "OMP_NUM_THREADS": str(args.threads)}
         proc = start_triton(settings, repo, base, run_dir / f"triton-{conc}.log", extra_env=env)
         rss = RssSampler(proc.pid)
         try:
@@ -105,8 +106,9 @@ def bench_hf(weights: Path, workloads: dict, args) -> dict:
         tmp = RESULTS / f".hf-{os.getpid()}-{conc}.json"
         proc = subprocess.Popen([sys.executable, "-m", "bench.engine.bench_engine", "--hf-worker", str(weights),
                                  "--hf-batch", str(conc), "--hf-out", str(tmp), "--requests", str(len(reqs)),
-                                 "--rate", str(args.rate), "--seed", str(args.seed), "--dtype", args.dtype],
-                                cwd=REPO_ROOT)
+                                 "--rate", str(args.rate), "--seed", str(args.seed), "--dtype", args.dtype,
+                                 "--threads", str(args.threads)],
+                                cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         rss = RssSampler(proc.pid)
         proc.wait()
         peak = rss.stop()
@@ -129,7 +131,7 @@ def bench_llama(settings, workloads: dict, args) -> dict:
         port = free_port()
         log = open(settings.data_dir / f"llama-server-{conc}.log", "w")
         proc = subprocess.Popen([str(binary), "-m", str(smollm2_gguf()), "--parallel", str(conc), "-c",
-                                 str(conc * 1400), "--threads", "2", "--threads-batch", "2", "--port", str(port),
+                                 str(conc * 1400), "--threads", str(args.threads), "--threads-batch", str(args.threads), "--port", str(port),
                                  "--host", "127.0.0.1"],
                                 stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
@@ -182,7 +184,8 @@ def write_doc(report: dict, command: str) -> None:
         notes.append("- " + ", ".join(parts))
     section = "\n".join(["## Engine", "", f"Command: `{command}`  ", f"Run: {report['started']} "
                          f"(machine shared with other jobs; load average at start {report['load_avg']}), "
-                         f"{report['requests']} requests per concurrency level, dtype {report['dtype']}.", "",
+                         f"{report['requests']} requests per concurrency level ({report['requests_c1']} at concurrency 1), "
+                         f"dtype {report['dtype']}, {report['threads']} CPU thread(s) per system.", "",
                          *rows, "", *notes, "", f"Raw results: `{report['path']}`", ""])
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\n"
     if "## Engine" in text:
@@ -206,6 +209,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--kv-blocks", type=int, default=4096)
     parser.add_argument("--step-tokens", type=int, default=256, help="engine max_num_batched_tokens")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads given to every system")
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     parser.add_argument("--hf-batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--hf-out", help=argparse.SUPPRESS)
@@ -215,7 +219,7 @@ def main() -> None:
 
         from bench.engine.peers import hf_worker
         reqs = make_workload(args.requests, args.rate, args.seed)
-        results = hf_worker(args.hf_worker, reqs, args.hf_batch, args.dtype)
+        results = hf_worker(args.hf_worker, reqs, args.hf_batch, args.dtype, args.threads)
         Path(args.hf_out).write_text(json.dumps([asdict(r) for r in results]))
         return
     settings = load_settings()
@@ -225,7 +229,7 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     report = {"started": started, "load_avg": [round(x, 1) for x in os.getloadavg()], "dtype": args.dtype,
               "concurrency": args.concurrency, "requests": args.requests, "requests_c1": args.requests_c1,
-              "rate": args.rate, "systems": {}}
+              "rate": args.rate, "threads": args.threads, "systems": {}}
     systems = args.systems.split(",")
     if "engine" in systems:
         report["systems"]["engine"] = bench_engine(settings, weights, workloads, args)

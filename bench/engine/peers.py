@@ -109,13 +109,14 @@ def run_llama_server(url: str, requests: list[Request], concurrency: int) -> lis
     return _dispatch(requests, concurrency, run_one, time.time() + 0.5)
 
 
-def hf_worker(weights_dir: str, requests: list[Request], batch_size: int, dtype: str = "bf16") -> list[Result]:
+def hf_worker(weights_dir: str, requests: list[Request], batch_size: int, dtype: str = "bf16",
+              threads: int = 2) -> list[Result]:
     """Static batching: when idle, take up to batch_size arrived requests, left-pad, `generate` until the
     longest output of the batch is done. Token times come from a logits processor called once per step."""
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(weights_dir, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
 
     class Clock(LogitsProcessor):

@@ -7,7 +7,8 @@ bench/results/usage-throughput.json. Phases:
    run: kafka-python's own `send()` called on the request path instead (no spool).
 2. producer drain: --events more are emitted as fast as possible, then flush(): spool -> Kafka events/s.
 3. loader: a UsageLoader consumes everything into a fresh DuckDB store; events/s over the batches
-   (and including the consumer-group join, reported separately).
+   (and including the consumer-group join, reported separately), and per CPU-second of the process.
+4. the same with `python -m usage.loader --workers N` (N processes in the consumer group).
 Targets (issue 5): emit p99 < 0.2 ms; loader >= 20,000 events/s.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,13 +65,46 @@ async def steady_emit(emit, rate: float, seconds: float, prefix: str = "lat") ->
     return lat
 
 
+def workers_run(bootstrap: str, topic: str, store_path: Path, workers: int, total: int) -> dict:
+    """Load the whole topic again with a fresh group through the CLI loader with N worker processes;
+    throughput counts from the first stored batch (after the group join) to the last row."""
+    cmd = [sys.executable, "-m", "usage.loader", "--bootstrap", bootstrap, "--store", str(store_path), "--topic",
+           topic, "--dlq-topic", f"{topic}.dlq", "--group", f"g-{topic}-w", "--no-check-callers",
+           "--workers", str(workers)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    t_start = time.perf_counter()
+    first = None
+    rows = 0
+    try:
+        while time.perf_counter() - t_start < 600:
+            if store_path.exists():
+                with store.connect(store_path, read_only=True) as con:
+                    rows = con.execute("SELECT count(*) FROM usage_events").fetchone()[0]
+            if rows and first is None:
+                first = (time.perf_counter(), rows)
+            if rows >= total:
+                break
+            time.sleep(0.25)
+        t_end = time.perf_counter()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    rate = round((rows - first[1]) / (t_end - first[0])) if first and t_end > first[0] else 0
+    return {"workers": workers, "events": total, "rows": rows, "events_per_s": rate,
+            "first_batch_after_s": round(first[0] - t_start, 2) if first else None,
+            "load_average_1m": round(os.getloadavg()[0], 2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--bootstrap", help="use this Kafka instead of starting a tansu broker")
-    parser.add_argument("--rate", type=float, default=3500.0, help="emit rate of phase 1, events/s (default: %(default)s)")
+    parser.add_argument("--rate", type=float, default=3500.0,
+                        help="emit rate of phase 1, events/s (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=10.0, help="duration of phase 1 (default: %(default)s)")
     parser.add_argument("--events", type=int, default=200_000, help="events of phase 2 (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="phase 4: loader worker processes (0 or 1 = skip) (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "usage-throughput.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
@@ -140,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
                             "phase_wall_s": {k: round(v, 2) for k, v in loader.timings.items()},
                             "load_average_1m": round(os.getloadavg()[0], 2), "target_events_per_s": 20000}
         print(json.dumps(result["loader"]), flush=True)
+        if args.workers > 1:
+            print(f"phase 4: `python -m usage.loader --workers {args.workers}` (processes), same events ...",
+                  flush=True)
+            result["loader_workers"] = workers_run(bootstrap, topic, work / "usage-w.duckdb", args.workers, total)
+            print(json.dumps(result["loader_workers"]), flush=True)
     finally:
         if broker:
             stop_pid(broker.pid)

@@ -65,6 +65,7 @@ class LLMEngine:
         self.stop_checkers: dict[int, StopChecker] = {}
         self._pending: list[StepOutput] = []     # outputs decided outside step() (rejections, aborts)
         self.steps = 0
+        self.last_scheduled = 0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, priority: int = 1,
@@ -140,6 +141,7 @@ class LLMEngine:
             self._finish(seq, FinishReason.DEADLINE)
             outputs.append(StepOutput(seq, [], FinishReason.DEADLINE.value))
         scheduled = self.scheduler.schedule()
+        self.last_scheduled = len(scheduled)
         if not scheduled:
             return outputs
         now = time.monotonic()

@@ -40,7 +40,7 @@ class CallbackSink:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_tick: Callable[[LLMEngine], None] | None = None,
-                 tick_s: float = 0.2, cancel_poll_s: float = 0.02):
+                 tick_s: float = 0.2, cancel_poll_s: float = 0.1):
         self.engine = engine
         self.on_tick = on_tick
         self.tick_s, self.cancel_poll_s = tick_s, cancel_poll_s
@@ -101,6 +101,8 @@ class EngineLoop:
                     self._poll_cancellations()
                 if self.engine.has_work():
                     self._deliver(self.engine.step())
+                    if self.engine.last_scheduled == 0:
+                        time.sleep(0.005)   # work exists but none could run (e.g. adapter slots pinned)
                 if self.on_tick and now - last_tick >= self.tick_s:
                     last_tick = now
                     self.on_tick(self.engine)

@@ -77,12 +77,13 @@ def _layer(layer, h, position_embeddings, positions):
 
 
 def train(base_dir: Path, style: str, out_dir: Path, steps: int, rank: int, lr: float, batch: int,
-          first_layer: int) -> None:
+          first_layer: int, threads: int = 1) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
+    torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(base_dir)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     model.requires_grad_(False)
@@ -165,9 +166,11 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--lr", type=float, default=8e-3)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1 is far faster than 2 when the cores are shared)")
     args = parser.parse_args()
     base = args.base or load_settings().cache_dir / "smollm2-135m-bf16"
-    train(base, args.style, args.out, args.steps, args.rank, args.lr, args.batch, args.first_layer)
+    train(base, args.style, args.out, args.steps, args.rank, args.lr, args.batch, args.first_layer, args.threads)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from pathlib import Path
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+WRITE_BUTTONS = ("Apply percent", "Apply split", "Promote…", "Roll back…", "Save", "Apply")
 VIEWPORT = {"width": 1440, "height": 900}
 # sidebar label -> screenshot slug and the page's title (h1) to wait for
 PAGES = {"Fleet": ("fleet", "Fleet"), "Models & rollouts": ("rollouts", "Models & rollouts"),
@@ -22,6 +23,7 @@ class PageReport:
     screenshot: Path
     exceptions: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    write_controls: int = 0  # buttons that change the fleet (Apply, Promote…, Roll back…, Save)
 
 
 def _settle(page, timeout_s: float = 60.0) -> None:
@@ -57,12 +59,26 @@ def _report(page, name: str, out: Path) -> PageReport:
     _charts_drawn(page)
     page.screenshot(path=str(out), full_page=True)
     page.set_viewport_size(VIEWPORT)
-    return PageReport(name, out, exceptions, errors)
+    writes = sum(page.get_by_role("button", name=n, exact=True).count() for n in WRITE_BUTTONS)
+    return PageReport(name, out, exceptions, errors, writes)
 
 
-def capture_admin_ui(ui_url: str, token: str, out_dir: Path, simulate: bool = True,
-                     timeout_s: float = 90.0) -> list[PageReport]:
-    """Sign in with `token`, visit the login page and every page, screenshot each to out_dir/admin-<slug>.png."""
+def _sign_in(page, token: str) -> None:
+    page.get_by_label("Admin or viewer token").fill(token)
+    page.get_by_role("button", name="Sign in").click()
+    page.get_by_role("heading", name="Fleet").wait_for()
+
+
+def _open(page, label: str) -> None:
+    page.locator('[data-testid="stSidebarNav"]').get_by_text(label, exact=True).click()
+    page.get_by_role("heading", name=PAGES[label][1], exact=True).wait_for()
+    _settle(page)
+
+
+def capture_admin_ui(ui_url: str, token: str, out_dir: Path, simulate: bool = True, timeout_s: float = 90.0,
+                     viewer_token: str | None = None) -> list[PageReport]:
+    """Sign in with `token`, visit the login page and every page, screenshot each to out_dir/admin-<slug>.png;
+    with `viewer_token`, sign out, sign in as a viewer and add admin-rollouts-viewer.png."""
     from playwright.sync_api import sync_playwright
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -76,18 +92,20 @@ def capture_admin_ui(ui_url: str, token: str, out_dir: Path, simulate: bool = Tr
             page.get_by_label("Admin or viewer token").wait_for()
             _settle(page)
             reports.append(_report(page, "login", out_dir / "admin-login.png"))
-            page.get_by_label("Admin or viewer token").fill(token)
-            page.get_by_role("button", name="Sign in").click()
-            page.get_by_role("heading", name="Fleet").wait_for()
-            for label, (slug, title) in PAGES.items():
-                page.locator('[data-testid="stSidebarNav"]').get_by_text(label, exact=True).click()
-                page.get_by_role("heading", name=title, exact=True).wait_for()
-                _settle(page)
+            _sign_in(page, token)
+            for label, (slug, _title) in PAGES.items():
+                _open(page, label)
                 if slug == "capacity" and simulate:
                     page.get_by_role("button", name="Simulate").click()
                     page.get_by_text("peak GPUs").wait_for(timeout=timeout_s * 1000)
                     _settle(page)
                 reports.append(_report(page, slug, out_dir / f"admin-{slug}.png"))
+            if viewer_token:
+                page.get_by_role("button", name="Sign out").click()
+                page.get_by_label("Admin or viewer token").wait_for()
+                _sign_in(page, viewer_token)
+                _open(page, "Models & rollouts")
+                reports.append(_report(page, "rollouts-viewer", out_dir / "admin-rollouts-viewer.png"))
         finally:
             browser.close()
     return reports

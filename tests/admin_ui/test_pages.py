@@ -36,6 +36,18 @@ def test_login_refuses_an_unknown_token(stack):
     assert "refused" in _text(at.error) and "role" not in at.session_state
 
 
+def test_login_while_the_router_is_down_uses_the_token_files(stack, monkeypatch):
+    monkeypatch.setenv("FLEET_ROUTER_HTTP_PORT", str(free_port()))
+    at = AppTest.from_file(str(REPO_ROOT / "admin_ui" / "app.py"), default_timeout=60).run()
+    at.text_input(key="login_token").input(VIEWER_TOKEN)
+    at.button[0].click().run()
+    assert not at.exception and at.session_state["role"] == "viewer"
+    at = AppTest.from_file(str(REPO_ROOT / "admin_ui" / "app.py"), default_timeout=60).run()
+    at.text_input(key="login_token").input("not-a-token")
+    at.button[0].click().run()
+    assert "cannot be reached" in _text(at.error) and "role" not in at.session_state
+
+
 def test_pages_ask_for_login_first(stack, page):
     at = page("fleet", role=None)
     assert "Sign in first" in _text(at.warning) and not at.dataframe

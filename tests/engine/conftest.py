@@ -43,7 +43,7 @@ def make_engine(smollm2_dir: Path):
 
     def make(**overrides):
         cfg = dict(weights_dir=str(smollm2_dir), adapters_dir=str(ADAPTERS_DIR), dtype="fp32",
-                   num_kv_blocks=1024, max_num_batched_tokens=128, max_context=2048)
+                   num_kv_blocks=1024, max_num_batched_tokens=128, max_context=2048, threads=1)
         cfg.update(overrides)
         return LLMEngine(EngineConfig(**cfg))
     return make
@@ -65,7 +65,7 @@ def hf_greedy(smollm2_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)   # the cores are shared: one thread never waits at a barrier for a preempted peer
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     cache: dict[tuple, list[int]] = {}
 

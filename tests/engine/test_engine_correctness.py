@@ -29,11 +29,11 @@ def test_greedy_matches_transformers_in_mixed_batches(make_engine, tokenizer, hf
     eng = make_engine(max_num_batched_tokens=64)     # small budget: long prompts really are chunked
     rng = random.Random(1)
     prompt = _prompt(tokenizer, "Write a short poem about the sea and the wind.")
-    others = [eng.add_request(random_prompt(rng, rng.randrange(5, 300)),
-                              SamplingParams(max_tokens=rng.randrange(8, 48), ignore_eos=True)) for _ in range(8)]
+    others = [eng.add_request(random_prompt(rng, rng.randrange(5, 160)),
+                              SamplingParams(max_tokens=rng.randrange(4, 40), ignore_eos=True)) for _ in range(8)]
     seq = eng.add_request(prompt, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True))
-    others += [eng.add_request(random_prompt(rng, rng.randrange(5, 300)),
-                               SamplingParams(max_tokens=rng.randrange(8, 48), ignore_eos=True)) for _ in range(7)]
+    others += [eng.add_request(random_prompt(rng, rng.randrange(5, 160)),
+                               SamplingParams(max_tokens=rng.randrange(4, 40), ignore_eos=True)) for _ in range(7)]
     batch_sizes: list[int] = []
     results = run_to_end(eng, on_step=lambda e: batch_sizes.append(len(e.scheduler.running)))
     assert results[seq.seq_id]["ids"] == hf_greedy(prompt, N_TOKENS)
@@ -58,13 +58,14 @@ def test_prefix_cache_hit_gives_same_ids(make_engine, tokenizer):
 
 def test_preempted_and_resumed_sequences_give_same_ids(make_engine):
     rng = random.Random(2)
-    prompts = [random_prompt(rng, rng.randrange(40, 120)) for _ in range(6)]
+    prompts = [random_prompt(rng, rng.randrange(100, 140)) for _ in range(6)]
     ref_engine = make_engine()
-    refs = [ref_engine.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts]
+    refs = [ref_engine.add_request(p, SamplingParams(max_tokens=32, ignore_eos=True)) for p in prompts]
     ref = run_to_end(ref_engine)
-    # 60 usable blocks hold ~960 tokens: the six sequences need ~1,000 at the end, so decodes run out of blocks
-    small = make_engine(num_kv_blocks=61, output_estimate=1)
-    seqs = [small.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True), priority=i % 3)
+    # 52 usable blocks hold 832 tokens: the six prompts fit (~720 tokens) but their outputs (6 x 32) do not, so
+    # decodes run out of blocks and the least important sequences are preempted and recomputed later
+    small = make_engine(num_kv_blocks=53, output_estimate=1)
+    seqs = [small.add_request(p, SamplingParams(max_tokens=32, ignore_eos=True), priority=i % 3)
             for i, p in enumerate(prompts)]
     out = run_to_end(small)
     assert small.scheduler.num_preemptions > 0

@@ -118,3 +118,20 @@ def test_adapters_change_output_and_mix_in_one_batch(engine, tokenizer, adapters
     for n, s in zip(names, seqs):
         assert r[s.seq_id]["ids"] == solo[n], n
     assert set(engine.lora.loaded()) >= {"french", "terse-json"}
+
+
+def test_adapter_cache_lru_with_many_adapters(make_engine, tmp_path, tokenizer):
+    """More adapters than slots: loaded on first use, least recently used evicted, outputs unchanged by churn."""
+    from bench.engine.make_adapters import make
+
+    make(tmp_path, 3)
+    eng = make_engine(adapters_dir=str(tmp_path), max_loras=2)
+    prompt = _p(tokenizer, "Hi")
+    first = {}
+    for name in ("random-000", "random-001", "random-002", "random-000"):
+        s = eng.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True), lora_name=name)
+        ids = run_to_end(eng)[s.seq_id]["ids"]
+        assert first.setdefault(name, ids) == ids
+        assert len(eng.lora.loaded()) <= 2
+    assert eng.lora.loads == 4          # random-000 was evicted by random-002, then loaded again
+    assert eng.lora.loaded() == ["random-002", "random-000"]

@@ -68,9 +68,12 @@ def test_every_admin_page_renders_with_real_data(platform):
     assert _usage_rows(p) >= rows_before + sent, "usage events did not reach the store"
 
     ui = f"http://127.0.0.1:{p.env['FLEET_ADMIN_UI_PORT']}"
-    reports = capture_admin_ui(ui, p.admin_token, SHOTS, simulate=True, timeout_s=180)
-    assert [r.name for r in reports] == ["login", "fleet", "rollouts", "buffers", "chargeback", "capacity"]
+    viewer_token = (p.data_dir / "viewer-token").read_text().strip()
+    reports = capture_admin_ui(ui, p.admin_token, SHOTS, simulate=True, timeout_s=180, viewer_token=viewer_token)
+    assert [r.name for r in reports] == ["login", "fleet", "rollouts", "buffers", "chargeback", "capacity",
+                                         "rollouts-viewer"]
     for r in reports:
         assert not r.exceptions, f"{r.name}: Streamlit exception {r.exceptions}"
         assert not r.errors, f"{r.name}: error shown {r.errors}"
         assert r.screenshot.stat().st_size > 20_000, f"{r.name}: screenshot looks empty"
+    assert reports[-1].write_controls == 0, "a viewer must see no write controls"

@@ -87,7 +87,8 @@ def test_gpu_hours_follow_token_work(store_path):
 def test_parquet_export(store_path, tmp_path):
     files = store.export_parquet(store_path, tmp_path / "pq")
     assert any("day=2026-11-02" in str(f) for f in files)
-    n = duckdb.connect().execute(f"SELECT count(*) FROM read_parquet('{tmp_path}/pq/usage_events/*/*.parquet')").fetchone()[0]
+    glob = f"{tmp_path}/pq/usage_events/*/*.parquet"
+    n = duckdb.connect().execute(f"SELECT count(*) FROM read_parquet('{glob}')").fetchone()[0]
     assert n == 5
 
 

@@ -55,7 +55,8 @@ def test_reopen_resends_only_unacknowledged(tmp_path, small_segments):
 
 def test_killed_writer_loses_nothing_and_torn_tail_is_skipped(tmp_path):
     code = ("import sys, os; sys.path.insert(0, %r); from usage.spool import Spool\n"
-            "s = Spool(%r)\nfor i in range(1000): s.append(b'k', b'%%d' %% i)\nos._exit(9)\n") % (os.getcwd(), str(tmp_path))
+            "s = Spool(%r)\nfor i in range(1000): s.append(b'k', b'%%d' %% i)\nos._exit(9)\n"
+            ) % (os.getcwd(), str(tmp_path))
     subprocess.run([sys.executable, "-c", code], check=False)
     # Simulate a power-cut tear after the last record: a header whose body never made it.
     seg = tmp_path / ("%012d.seg" % 1)
