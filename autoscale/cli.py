@@ -120,7 +120,8 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
 
         actuator = KubernetesActuator(args.namespace)
     token = settings.admin_token_file.read_text().strip() if settings.admin_token_file.exists() else None
-    controller = Controller(pools, actuator, args.router_url or settings.router_http_url, args.interval_s, admin_token=token)
+    controller = Controller(pools, actuator, args.router_url or settings.router_http_url, args.interval_s, admin_token=token,
+                            decisions_path=settings.data_dir / "autoscale" / "decisions.jsonl")
     if args.once:
         print(json.dumps([d.__dict__ for d in controller.tick()], indent=2))
         return 0

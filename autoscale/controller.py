@@ -8,11 +8,13 @@ answer to the actuator (local processes or Kubernetes). Every decision is logged
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from autoscale.actuators import Actuator, PoolSpec
 from autoscale.policy import ForecastPolicy, PoolState, ScalingGuard
@@ -69,8 +71,10 @@ class Controller:
     def __init__(self, pools: list[PoolConfig], actuator: Actuator, router_url: str, interval_s: float = 2.0,
                  forecasts: dict[str, Callable[[float], float]] | None = None,
                  signal_reader: Callable[[PoolConfig], Signals] | None = None,
-                 guard_overrides: dict | None = None, admin_token: str | None = None) -> None:
+                 guard_overrides: dict | None = None, admin_token: str | None = None,
+                 decisions_path: Path | None = None) -> None:
         self.pools, self.actuator, self.router_url = pools, actuator, router_url
+        self.decisions_path = decisions_path  # JSON lines the admin UI shows; only scaling decisions
         self.interval_s = interval_s
         self.forecasts = forecasts or {}
         self.admin_token = admin_token
@@ -122,8 +126,16 @@ class Controller:
                 log.info("pool %s: %d serving + %d starting -> %d (load %.2f, kv %.2f, waiting %.0f, ttft p95 %.3f s, "
                          "queue wait p95 %.3f s)", pool.spec.name, counts.serving, counts.starting, desired, sig.load,
                          sig.kv_utilisation, sig.waiting, sig.ttft_p95_s, sig.queue_wait_p95_s)
+                self._record(decision, "scale up" if desired > counts.total else "scale down (drain)")
                 self.actuator.scale(pool.spec, desired)
         return out
+
+    def _record(self, decision: Decision, reason: str) -> None:
+        if self.decisions_path is None:
+            return
+        self.decisions_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.decisions_path.open("a") as f:
+            f.write(json.dumps({**asdict(decision), "ts": time.time(), "reason": reason}) + "\n")
 
     def run(self, duration_s: float | None = None) -> None:
         """Tick every interval until stop() (or duration_s elapses)."""

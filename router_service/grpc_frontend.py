@@ -14,7 +14,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from router_service.core import Router
 from router_service.errors import RouterError
-from router_service.kserve_codec import decode_request, encode_response, merge_responses
+from router_service.kserve_codec import decode_request, encode_stream_response, merge_responses
 
 log = logging.getLogger(__name__)
 SERVER_NAME = "llm-fleet-router"
@@ -106,8 +106,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 prepared = await self._run(request, api_key)
                 async for item in self.router.stream(prepared):
-                    queue.put_nowait(pb.ModelStreamInferResponse(
-                        infer_response=encode_response(prepared.req, prepared.model.version, item)))
+                    queue.put_nowait(encode_stream_response(prepared.req, prepared.model.version, item))
             except RouterError as exc:
                 queue.put_nowait(exc)
             except Exception as exc:

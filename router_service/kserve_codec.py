@@ -2,7 +2,9 @@
 encode streamed deltas as ModelInferResponses (tensor names of DESIGN.md §4)."""
 from __future__ import annotations
 
+import struct
 import uuid
+from array import array
 
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
@@ -140,24 +142,44 @@ def _bytes_tensor(values: list[bytes]) -> bytes:
     return serialize_byte_tensor(np.array(values, dtype=np.object_)).item()
 
 
-def encode_response(req: GenerateRequest, version: str, item: TokenDelta | Finished) -> pb.ModelInferResponse:
+def _bytes1(value: bytes) -> bytes:
+    """One-element BYTES tensor in Triton's raw layout: 4-byte little-endian length, then the bytes."""
+    return struct.pack("<I", len(value)) + value
+
+
+def _prototype() -> pb.ModelStreamInferResponse:
+    proto = pb.ModelStreamInferResponse()
+    for name, dtype, shape in (("text_output", "BYTES", [1]), ("output_ids", "INT32", [0]),
+                               ("finish_reason", "BYTES", [1]), ("usage", "INT32", [3])):
+        proto.infer_response.outputs.add(name=name, datatype=dtype, shape=shape)
+    return proto
+
+
+_PROTOTYPE = _prototype()
+
+
+def encode_stream_response(req: GenerateRequest, version: str, item: TokenDelta | Finished
+                           ) -> pb.ModelStreamInferResponse:
+    """One streamed response (hot path: copied from a prototype, no numpy; ~6 us)."""
     if isinstance(item, TokenDelta):
-        text, ids, reason, usage = item.text, item.token_ids, "", [0, 0, 0]
+        text, ids, reason, usage = item.text, item.token_ids, "", (0, 0, 0)
     else:
         text, ids, reason = "", [], item.finish_reason
-        usage = [item.prompt_tokens, item.cached_prompt_tokens, item.completion_tokens]
-    resp = pb.ModelInferResponse(model_name=req.model, model_version=version, id=req.request_id)
-    for name, dtype, shape, raw in (
-        ("text_output", "BYTES", [1], _bytes_tensor([text.encode()])),
-        ("output_ids", "INT32", [len(ids)], np.array(ids, dtype=np.int32).tobytes()),
-        ("finish_reason", "BYTES", [1], _bytes_tensor([reason.encode()])),
-        ("usage", "INT32", [3], np.array(usage, dtype=np.int32).tobytes()),
-    ):
-        resp.outputs.add(name=name, datatype=dtype, shape=shape)
-        resp.raw_output_contents.append(raw)
+        usage = (item.prompt_tokens, item.cached_prompt_tokens, item.completion_tokens)
+    out = pb.ModelStreamInferResponse()
+    out.CopyFrom(_PROTOTYPE)
+    resp = out.infer_response
+    resp.model_name, resp.model_version, resp.id = req.model, version, req.request_id
+    resp.outputs[1].shape[0] = len(ids)
+    resp.raw_output_contents.extend((_bytes1(text.encode()), array("i", ids).tobytes(), _bytes1(reason.encode()),
+                                     array("i", usage).tobytes()))
     if isinstance(item, Finished):
         resp.parameters["triton_final_response"].bool_param = True
-    return resp
+    return out
+
+
+def encode_response(req: GenerateRequest, version: str, item: TokenDelta | Finished) -> pb.ModelInferResponse:
+    return encode_stream_response(req, version, item).infer_response
 
 
 def merge_responses(req: GenerateRequest, version: str, items: list[TokenDelta | Finished]) -> pb.ModelInferResponse:

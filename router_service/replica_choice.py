@@ -27,7 +27,7 @@ class ChoiceParams:
     load_weight: float = 0.5          # tokens of load worth one token of uncached prefill (tuned in bench/router)
     epsilon: float = 0.25             # bounded-load slack: skip replicas above (1 + epsilon) x mean
     adapter_miss_tokens: int = 256    # cost of loading an adapter that is not resident
-    replica_concurrency: int = 16     # streams in flight per replica (router side) at most
+    replica_concurrency: int = 64     # streams in flight per replica (router side) at most (engine max_num_seqs)
     batch_share: float = 0.75         # batch streams may use at most this share of a replica's slots
     policy: str = "ours"              # ours | round_robin | least_loaded | prefix_hash (baselines for benchmarks)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from array import array
 from collections.abc import AsyncIterator
 
 import grpc
@@ -47,6 +48,25 @@ def build_inputs(req: GenerateRequest, prompt_ids: list[int], max_tokens: int) -
     return inputs
 
 
+def _decode(result) -> tuple[str, list[int], str, list[int]]:
+    """(delta text, delta ids, finish reason, usage) of one streamed response, read straight from the raw
+    output buffers (hot path; `as_numpy` costs ~30 us per response)."""
+    resp = result.get_response()
+    raw = resp.raw_output_contents
+    if len(raw) != len(resp.outputs):
+        return (result.as_numpy("text_output").reshape(-1)[0].decode("utf-8"),
+                result.as_numpy("output_ids").reshape(-1).tolist(),
+                result.as_numpy("finish_reason").reshape(-1)[0].decode(),
+                result.as_numpy("usage").reshape(-1).tolist() if result.as_numpy("usage") is not None else [0, 0, 0])
+    out: dict[str, bytes] = {o.name: raw[i] for i, o in enumerate(resp.outputs)}
+    usage = array("i")
+    usage.frombytes(out.get("usage", b""))
+    ids = array("i")
+    ids.frombytes(out.get("output_ids", b""))
+    return (out["text_output"][4:].decode("utf-8"), ids.tolist(), out.get("finish_reason", b"")[4:].decode(),
+            usage.tolist() or [0, 0, 0])
+
+
 class ReplicaClient:
     """One long-lived gRPC channel per replica; each request is its own bidirectional stream."""
 
@@ -87,13 +107,10 @@ class ReplicaClient:
             async for result, error in stream:
                 if error is not None:
                     raise ReplicaFailed(str(error))
-                text = result.as_numpy("text_output").reshape(-1)[0].decode("utf-8")
-                ids = result.as_numpy("output_ids").reshape(-1).tolist()
-                reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
+                text, ids, reason, usage = _decode(result)
                 if text or ids:
                     yield TokenDelta(text, ids)
                 if reason:
-                    usage = result.as_numpy("usage").reshape(-1).tolist()
                     finished = True
                     yield Finished(reason, int(usage[0]), int(usage[1]), int(usage[2]), model="", version="",
                                    replica_id=self.replica_id)

@@ -2,6 +2,7 @@
 
 One batch = poll (up to `batch_max` records or `max_wait_s`) -> validate -> one DuckDB transaction
 (INSERT OR IGNORE on request_id, plus the rejects) -> dead-letter sends flushed -> offsets committed.
+`run()` pipelines: the next batch is polled and validated while the previous one is being written.
 Offsets are committed only after the write, so a crash at any point re-delivers at most the last batch,
 and the primary key on request_id turns that redelivery (and any producer resend) into no-ops:
 no loss, no duplicate rows.
@@ -25,9 +26,11 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
+from kafka.structs import OffsetAndMetadata, TopicPartition
 from pydantic import ValidationError
 
 from usage import store
@@ -53,6 +56,16 @@ def registry_callers(db_url: str) -> Callable[[], set[str]]:
 _row = operator.itemgetter(*store.EVENT_COLUMNS)  # event fields in table column order, at C speed
 
 
+def _offsets(records) -> dict[TopicPartition, OffsetAndMetadata]:
+    """The offsets that acknowledge exactly these records: per partition, the last offset + 1."""
+    last: dict[TopicPartition, int] = {}
+    for rec in records:
+        tp = TopicPartition(rec.topic, rec.partition)
+        if rec.offset >= last.get(tp, -1):
+            last[tp] = rec.offset
+    return {tp: OffsetAndMetadata(off + 1, "", -1) for tp, off in last.items()}
+
+
 def _reason(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
@@ -75,13 +88,21 @@ class UsageLoader:
         self._consumer = None
         self._dlq = None
         self.stats = {"batches": 0, "consumed": 0, "inserted": 0, "duplicates": 0, "rejected": 0, "errors": 0}
-        self.timings = {"validate_s": 0.0, "write_commit_s": 0.0}  # wall time per phase, for the benchmark
+        self.timings = {"validate_s": 0.0, "write_s": 0.0}  # wall time per phase, for the benchmark
 
     # ---- one batch ------------------------------------------------------------------------------
     def run_once(self, max_wait_s: float = 1.0) -> int:
         """Poll one batch, store it, commit its offsets. Returns the number of records consumed."""
+        records = self._poll(max_wait_s)
+        if records:
+            self._store(self._validate(records), len(records))
+            self._ensure_consumer().commit(_offsets(records))  # only now: a crash before re-delivers
+        return len(records)
+
+    def _poll(self, max_wait_s: float) -> list:
+        """Up to batch_max records, waiting at most max_wait_s for the first ones."""
         consumer = self._ensure_consumer()
-        records = []
+        records: list = []
         deadline = time.monotonic() + max_wait_s
         while len(records) < self.batch_max:
             left = deadline - time.monotonic()
@@ -94,11 +115,13 @@ class UsageLoader:
             if not got and records:
                 break
             records.extend(got)
-        if not records:
-            return 0
-        t_polled = time.perf_counter()
-        rows, rejects = self._validate(records)
-        t_valid = time.perf_counter()
+        return records
+
+    def _store(self, validated: tuple[list[tuple], list], consumed: int) -> None:
+        """One DuckDB transaction for the batch's rows and rejects, then the dead letters (flushed).
+        Runs on the writer thread in `run()`; DuckDB releases the GIL, so the next poll overlaps it."""
+        rows, rejects = validated
+        t0 = time.perf_counter()
         with store.connect(self.store_path) as con:
             con.execute("BEGIN")
             inserted = store.insert_events(con, pd.DataFrame.from_records(rows, columns=store.EVENT_COLUMNS)
@@ -109,18 +132,15 @@ class UsageLoader:
         self._fault("after_write")
         if rejects:
             self._send_dead_letters(rejects)
-        consumer.commit()  # only now: a crash before this line re-delivers the batch, which dedups
-        t_done = time.perf_counter()
-        self.timings["validate_s"] += t_valid - t_polled
-        self.timings["write_commit_s"] += t_done - t_valid
+        self.timings["write_s"] += time.perf_counter() - t0
         self.stats["batches"] += 1
-        self.stats["consumed"] += len(records)
+        self.stats["consumed"] += consumed
         self.stats["inserted"] += inserted
-        self.stats["duplicates"] += len(records) - len(rejects) - inserted  # repeats in or across batches
+        self.stats["duplicates"] += consumed - len(rejects) - inserted  # repeats in or across batches
         self.stats["rejected"] += len(rejects)
-        return len(records)
 
     def _validate(self, records) -> tuple[list[tuple], list[tuple[str, str, str, bytes | None]]]:
+        t0 = time.perf_counter()
         rows: dict[str, tuple] = {}
         rejects = []
         callers = self._caller_set()
@@ -143,6 +163,7 @@ class UsageLoader:
             else:
                 rid = f"{rec.topic}/{rec.partition}/{rec.offset}/{zlib.crc32(raw):08x}"
                 rejects.append((rid, reason, raw.decode("utf-8", "replace"), rec.key))
+        self.timings["validate_s"] += time.perf_counter() - t0
         return list(rows.values()), rejects
 
     def _caller_set(self, missed: bool = False) -> set[str] | None:
@@ -175,21 +196,42 @@ class UsageLoader:
 
     # ---- loop -----------------------------------------------------------------------------------
     def run(self, stop_event: threading.Event | None = None, max_wait_s: float = 1.0) -> None:
-        """Load batches until stop_event is set. Broker or store errors are logged and retried with a new
-        consumer (the batch in flight is re-delivered and de-duplicated)."""
+        """Load batches until stop_event is set. Pipelined: while batch N is written to DuckDB on a writer
+        thread, batch N+1 is polled and validated; N's offsets are committed only after N's write.
+        Broker or store errors are logged and retried with a new consumer (uncommitted batches are
+        re-delivered and de-duplicated)."""
         stop_event = stop_event or threading.Event()
         last_report = time.monotonic()
+        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="usage-writer")
+        inflight: tuple[Future, dict] | None = None
         while not stop_event.is_set():
             try:
-                self.run_once(max_wait_s)
+                records = self._poll(max_wait_s)
+                if inflight is not None:
+                    inflight[0].result()  # re-raises a failed write: its offsets are never committed
+                    self._ensure_consumer().commit(inflight[1])
+                    inflight = None
+                if records:
+                    validated = self._validate(records)
+                    inflight = (writer.submit(self._store, validated, len(records)), _offsets(records))
             except Exception as exc:
                 self.stats["errors"] += 1
                 log.warning("usage loader batch failed (%s: %s); reconnecting", type(exc).__name__, exc)
+                if inflight is not None:
+                    inflight[0].exception()  # let the write finish before the next one starts
+                    inflight = None
                 self._close_clients()
                 stop_event.wait(1.0)
             if time.monotonic() - last_report > 30:
                 log.info("usage loader: %s", self.stats)
                 last_report = time.monotonic()
+        try:
+            if inflight is not None:
+                inflight[0].result()
+                self._ensure_consumer().commit(inflight[1])
+        except Exception as exc:  # stopping anyway: the batch is re-delivered and de-duplicated
+            log.warning("usage loader: last batch not committed (%s)", exc)
+        writer.shutdown(wait=True)
         self.close()
 
     def close(self) -> None:

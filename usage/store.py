@@ -116,7 +116,8 @@ def connect(store_path: Path, read_only: bool = False, timeout_s: float = LOCK_R
 
 
 def _ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
-    if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'prices'").fetchone()[0]:
+    # fetchall, not fetchone: DuckDB 2 refuses other work on a connection with an unfinished result.
+    if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'prices'").fetchall()[0][0]:
         return
     con.execute(SCHEMA)
     con.executemany("INSERT OR IGNORE INTO prices (model, prefill_per_m, cached_per_m, decode_per_m) "
@@ -135,7 +136,7 @@ def insert_events(con: duckdb.DuckDBPyConnection, frame: pd.DataFrame) -> int:
         # INSERT OR IGNORE answers with the number of rows it really inserted.
         return con.execute(f"INSERT OR IGNORE INTO usage_events ({cols}, day) "
                            f"SELECT {cols}, CAST(epoch_ms(CAST(ts * 1000 AS BIGINT)) AS DATE) FROM incoming"
-                           ).fetchone()[0]
+                           ).fetchall()[0][0]
     finally:
         con.unregister("incoming")
 

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import tempfile
 import threading

@@ -107,7 +107,8 @@ def bench_hf(weights: Path, workloads: dict, args) -> dict:
         proc = subprocess.Popen([sys.executable, "-m", "bench.engine.bench_engine", "--hf-worker", str(weights),
                                  "--hf-batch", str(conc), "--hf-out", str(tmp), "--requests", str(len(reqs)),
                                  "--rate", str(args.rate), "--seed", str(args.seed), "--dtype", args.dtype,
-                                 "--threads", str(args.threads)],
+                                 "--threads", str(args.threads), "--output-max", str(args.output_max),
+                                 "--prompt-max", str(args.prompt_max)],
                                 cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         rss = RssSampler(proc.pid)
         proc.wait()
@@ -184,7 +185,7 @@ def write_doc(report: dict, command: str) -> None:
         notes.append("- " + ", ".join(parts))
     section = "\n".join(["## Engine", "", f"Command: `{command}`  ", f"Run: {report['started']} "
                          f"(machine shared with other jobs; load average at start {report['load_avg']}), "
-                         f"{report['requests']} requests per concurrency level ({report['requests_c1']} at concurrency 1), "
+                         f"requests per concurrency level {report['requests_per_level']}, Poisson rate {report['rate']}/s, "
                          f"dtype {report['dtype']}, {report['threads']} CPU thread(s) per system.", "",
                          *rows, "", *notes, "", f"Raw results: `{report['path']}`", ""])
     text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\n"
@@ -203,6 +204,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 8, 1])
     parser.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
     parser.add_argument("--requests-c1", type=int, default=12, help="requests at concurrency 1 (slow)")
+    parser.add_argument("--requests-per-level", default="", help="e.g. 32:64,8:32,1:8 (overrides the two above)")
     parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", default="engine,hf,llama")
@@ -210,6 +212,8 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=4096)
     parser.add_argument("--step-tokens", type=int, default=256, help="engine max_num_batched_tokens")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads given to every system")
+    parser.add_argument("--output-max", type=int, default=256, help="longest output (smoke runs: smaller)")
+    parser.add_argument("--prompt-max", type=int, default=1000, help="longest prompt (smoke runs: smaller)")
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     parser.add_argument("--hf-batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--hf-out", help=argparse.SUPPRESS)
@@ -218,31 +222,37 @@ def main() -> None:
         from dataclasses import asdict
 
         from bench.engine.peers import hf_worker
-        reqs = make_workload(args.requests, args.rate, args.seed)
+        reqs = make_workload(args.requests, args.rate, args.seed, output_range=(16, args.output_max),
+                             prompt_range=(100, args.prompt_max))
         results = hf_worker(args.hf_worker, reqs, args.hf_batch, args.dtype, args.threads)
         Path(args.hf_out).write_text(json.dumps([asdict(r) for r in results]))
         return
     settings = load_settings()
     weights = settings.cache_dir / "smollm2-135m-bf16"
-    workloads = {c: make_workload(args.requests_c1 if c == 1 else args.requests, args.rate, args.seed)
+    counts = {int(k): int(v) for k, v in (item.split(":") for item in args.requests_per_level.split(","))} \
+        if args.requests_per_level else {}
+    workloads = {c: make_workload(counts.get(c, args.requests_c1 if c == 1 else args.requests), args.rate, args.seed,
+                                  output_range=(16, args.output_max), prompt_range=(100, args.prompt_max))
                  for c in args.concurrency}
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     report = {"started": started, "load_avg": [round(x, 1) for x in os.getloadavg()], "dtype": args.dtype,
               "concurrency": args.concurrency, "requests": args.requests, "requests_c1": args.requests_c1,
               "rate": args.rate, "threads": args.threads, "systems": {}}
+    report["requests_per_level"] = {str(c): len(w) for c, w in workloads.items()}
     systems = args.systems.split(",")
-    if "engine" in systems:
-        report["systems"]["engine"] = bench_engine(settings, weights, workloads, args)
-    if "hf" in systems:
-        report["systems"]["hf"] = bench_hf(weights, workloads, args)
-    if "llama" in systems:
-        report["systems"]["llama"] = bench_llama(settings, workloads, args)
+    runners = {"engine": lambda w: bench_engine(settings, weights, w, args), "hf": lambda w: bench_hf(weights, w, args),
+               "llama": lambda w: bench_llama(settings, w, args)}
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
     report["path"] = str(path.relative_to(REPO_ROOT))
-    path.write_text(json.dumps(report, indent=2))
     command = "python -m bench.engine.bench_engine " + " ".join(sys.argv[1:])
-    write_doc(report, command.strip())
+    # level by level, every system at one level before the next, written after each level: a long run
+    # that is stopped early still leaves complete comparisons
+    for conc, reqs in workloads.items():
+        for system in systems:
+            report["systems"].setdefault(system, {}).update(runners[system]({conc: reqs}))
+        path.write_text(json.dumps(report, indent=2))
+        write_doc(report, command.strip())
     print(f"wrote {path} and {DOC}")
 
 

@@ -42,14 +42,45 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-async def _round(url: str, model: str, api_key: str, n: int, max_tokens: int, tag: str) -> list:
-    client = grpcaio.InferenceServerClient(url)
+async def _mixed_round(replica_url: str, router_url: str, api_key: str, n: int, max_tokens: int, seed: int
+                       ) -> tuple[list, list]:
+    """n concurrent streams at once, half straight to the replica and half through the router, same prompts,
+    submitted in shuffled order: both halves share the same engine steps and the same machine noise."""
+    direct = grpcaio.InferenceServerClient(replica_url)
+    routed = grpcaio.InferenceServerClient(router_url)
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
     try:
-        return await asyncio.gather(*[
-            stream_once(client, model, CHATML.format(q=QUESTIONS[i % len(QUESTIONS)] + f" ({i})"), max_tokens,
-                        api_key, request_id=f"{tag}-{i}-{time.time_ns()}") for i in range(n)])
+        def one(i: int):
+            prompt = CHATML.format(q=QUESTIONS[(i // 2) % len(QUESTIONS)] + f" ({i // 2})")
+            if i % 2 == 0:
+                return stream_once(direct, "llm", prompt, max_tokens, "", request_id=f"d{seed}-{i}")
+            return stream_once(routed, MODEL, prompt, max_tokens, api_key, request_id=f"r{seed}-{i}")
+        results = await asyncio.gather(*[one(i) for i in order])
     finally:
-        await client.close()
+        await direct.close()
+        await routed.close()
+    by_i = dict(zip(order, results))
+    return [by_i[i] for i in range(0, n, 2)], [by_i[i] for i in range(1, n, 2)]
+
+
+async def _sequential_pairs(replica_url: str, router_url: str, api_key: str, pairs: int) -> tuple[list, list]:
+    """One stream at a time, alternating direct and routed: TTFT without batching noise."""
+    direct = grpcaio.InferenceServerClient(replica_url)
+    routed = grpcaio.InferenceServerClient(router_url)
+    d, r = [], []
+    try:
+        for k in range(pairs):
+            prompt = CHATML.format(q=QUESTIONS[k % len(QUESTIONS)])
+            for mode in ("d", "r") if k % 2 == 0 else ("r", "d"):
+                if mode == "d":
+                    d.append(await stream_once(direct, "llm", prompt, 2, ""))
+                else:
+                    r.append(await stream_once(routed, MODEL, prompt, 2, api_key))
+    finally:
+        await direct.close()
+        await routed.close()
+    return d, r
 
 
 async def _calibrate(url: str) -> dict:
@@ -93,26 +124,29 @@ async def main_async(args) -> dict:
         (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
         (ROOT / "bench" / "results" / "router-engine-costs.json").write_text(json.dumps(costs, indent=2) + "\n")
         print("engine costs", json.dumps(costs), flush=True)
-        await _round(stack.grpc_url, MODEL, stack.api_key, 8, args.max_tokens, "warm")
+        await _mixed_round(replica_url, stack.grpc_url, stack.api_key, 16, args.max_tokens, 0)  # warm up
+        seq_d, seq_r = await _sequential_pairs(replica_url, stack.grpc_url, stack.api_key, args.pairs)
+        print("sequential", json.dumps(_stats(seq_d)), json.dumps(_stats(seq_r)), flush=True)
         direct, routed, cpu_s, routed_tokens = [], [], 0.0, 0
         for k in range(args.rounds):
-            for mode in (("direct", "routed") if k % 2 == 0 else ("routed", "direct")):
-                if mode == "direct":
-                    res = await _round(replica_url, "llm", "", args.streams, args.max_tokens, "direct")
-                    direct += res
-                else:
-                    before = _cpu_s(stack.router.pid)
-                    res = await _round(stack.grpc_url, MODEL, stack.api_key, args.streams, args.max_tokens, "routed")
-                    cpu_s += _cpu_s(stack.router.pid) - before
-                    routed_tokens += sum(len(r.ids) for r in res if r.error is None)
-                    routed += res
-                print(mode, json.dumps(_stats(res)), flush=True)
+            before = _cpu_s(stack.router.pid)
+            d, r = await _mixed_round(replica_url, stack.grpc_url, stack.api_key, args.streams, args.max_tokens, k + 1)
+            cpu_s += _cpu_s(stack.router.pid) - before
+            routed_tokens += sum(len(x.ids) for x in r if x.error is None)
+            direct += d
+            routed += r
+            print("round", k, json.dumps(_stats(d)), json.dumps(_stats(r)), flush=True)
         metrics = stack.metrics()
     finally:
         stack.stop()
     d, r = _stats(direct), _stats(routed)
     dispatch = [line for line in metrics.splitlines() if line.startswith("fleet_router_dispatch_seconds_")]
-    return {"streams": args.streams, "rounds": args.rounds, "max_tokens": args.max_tokens, "direct": d, "router": r,
+    sd, sr = _stats(seq_d), _stats(seq_r)
+    return {"sequential_pairs": {"pairs": args.pairs, "direct": sd, "router": sr,
+                                 "added_ttft_p50_ms": round(sr["ttft_p50_ms"] - sd["ttft_p50_ms"], 2),
+                                 "added_ttft_p99_ms": round(sr["ttft_p99_ms"] - sd["ttft_p99_ms"], 2)},
+            "concurrent_streams": args.streams, "rounds": args.rounds, "max_tokens": args.max_tokens,
+            "direct": d, "router": r,
             "added_ttft_p50_ms": round(r["ttft_p50_ms"] - d["ttft_p50_ms"], 2),
             "added_ttft_p99_ms": round(r["ttft_p99_ms"] - d["ttft_p99_ms"], 2),
             "ttft_p50_ratio": round(r["ttft_p50_ms"] / d["ttft_p50_ms"], 3),
@@ -125,6 +159,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--pairs", type=int, default=40, help="sequential direct/routed pairs")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "router-overhead.json")
     args = ap.parse_args()

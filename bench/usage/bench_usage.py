@@ -6,8 +6,9 @@ bench/results/usage-throughput.json. Phases:
    producer's sender thread ships them to the broker; p50/p99/p99.9 of `emit()` itself. Peer in the same
    run: kafka-python's own `send()` called on the request path instead (no spool).
 2. producer drain: --events more are emitted as fast as possible, then flush(): spool -> Kafka events/s.
-3. loader: a UsageLoader consumes everything into a fresh DuckDB store; events/s over the batches
-   (and including the consumer-group join, reported separately), and per CPU-second of the process.
+3. loader: `UsageLoader.run()` (the production loop: poll/validate of batch N+1 overlaps the DuckDB write
+   of batch N) consumes everything into a fresh DuckDB store; events/s from the first stored batch on (so
+   without the consumer-group join; the rate including it is reported too), and per CPU-second.
 4. the same with `python -m usage.loader --workers N` (N processes in the consumer group).
 Targets (issue 5): emit p99 < 0.2 ms; loader >= 20,000 events/s.
 """
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -153,23 +155,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"phase 3: loader, {total} events ...", flush=True)
         store_path = work / "usage.duckdb"
         loader = UsageLoader(bootstrap, store_path, topic=topic, group_id=f"g-{topic}", dlq_topic=f"{topic}.dlq")
+        stop = threading.Event()
+        runner = threading.Thread(target=loader.run, args=(stop,), daemon=True)  # the production loop
         t_start = time.perf_counter()
         cpu_start = time.process_time()
-        t_first = None
+        runner.start()
+        first = None  # (time, events) when the first batch was stored: the group is joined
         while loader.stats["consumed"] < total and time.perf_counter() - t_start < 600:
-            tb = time.perf_counter()
-            n = loader.run_once(2.0)
-            if n and t_first is None:
-                t_first = tb  # the group is joined; throughput counts from this batch
+            if first is None and loader.stats["consumed"]:
+                first = (time.perf_counter(), loader.stats["consumed"])
+            time.sleep(0.02)
         t_end = time.perf_counter()
         cpu = time.process_time() - cpu_start
-        loader.close()
+        stop.set()
+        runner.join(timeout=60)
         with store.connect(store_path, read_only=True) as con:
             rows = con.execute("SELECT count(*) FROM usage_events").fetchone()[0]
         result["loader"] = {"events": total, "rows": rows, "batches": loader.stats["batches"],
-                            "events_per_s": round(total / (t_end - t_first)) if t_first else 0,
+                            "events_per_s": round((total - first[1]) / (t_end - first[0])) if first else 0,
                             "events_per_s_incl_group_join": round(total / (t_end - t_start)),
-                            "group_join_s": round((t_first or t_end) - t_start, 2),
+                            "first_batch_after_s": round(first[0] - t_start, 2) if first else None,
                             # CPU seconds of this process (all threads) per event: robust to other load
                             "events_per_cpu_s": round(total / cpu) if cpu else 0,
                             "phase_wall_s": {k: round(v, 2) for k, v in loader.timings.items()},

@@ -26,6 +26,7 @@ class EngineConfig:
     max_loras: int = 8                  # adapters resident at once (LRU beyond)
     max_lora_rank: int = 16
     threads: int = 2                    # torch intra-op threads
+    fp32_matmul_min_tokens: int = 16    # bf16 mode: steps with this many rows use fp32 weight copies (0 = never)
     default_max_tokens: int = 64
     state_report_interval_s: float = 0.2
     state_full_snapshot_s: float = 10.0

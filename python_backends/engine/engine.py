@@ -58,7 +58,7 @@ class LLMEngine:
                                 {"bf16": torch.bfloat16, "fp32": torch.float32}.get(config.dtype, torch.float32),
                                 config.max_loras, config.max_lora_rank) if config.adapters_dir else None
         self.runner = ModelRunner(weights, config.dtype, config.num_kv_blocks, config.block_size,
-                                  config.max_context, self.lora)
+                                  config.max_context, self.lora, config.fp32_matmul_min_tokens)
         self.kv = KVCacheManager(config.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.kv, self._acquire_lora, self._release_lora)
         self.stats = EngineStats()

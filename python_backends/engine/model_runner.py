@@ -6,7 +6,9 @@ decode row attends to its own gathered K/V in one batched SDPA call with a paddi
 chunk attends causally to its sequence's cached prefix plus itself. New K/V are written into the pool at
 the slots the block tables name before attention reads them, so a chunk sees its own keys.
 
-The pool is `[layers, slots, kv_heads, head_dim]` for K and for V, slots = blocks * block_size. Block 0 is a
+The pool is `[layers, kv_heads, slots, head_dim]` for K and for V (head-major), slots = blocks * block_size:
+gathering a sequence's blocks then yields `[kv_heads, tokens, head_dim]` contiguous, which batched matmuls read
+as is (a slot-major layout costs a transposing copy per layer that is as large as the gather). Block 0 is a
 reserved zero block: padding in gathers points at it, so masked positions never read uninitialised memory
 (0 * NaN would poison softmax output). The pool is allocated with torch.empty so untouched pages never
 become resident: RSS follows the blocks actually used.
@@ -53,7 +55,7 @@ class ModelRunner:
     """Loads HF Llama safetensors and runs paged forwards; owns the KV pool tensors."""
 
     def __init__(self, weights_dir: Path, dtype: str, num_blocks: int, block_size: int, max_context: int,
-                 lora: LoraManager | None = None):
+                 lora: LoraManager | None = None, fp32_matmul_min_tokens: int = 16):
         cfg = json.loads((weights_dir / "config.json").read_text())
         self.dtype = DTYPES[dtype]
         self.n_layers = cfg["num_hidden_layers"]
@@ -74,6 +76,17 @@ class ModelRunner:
             self.eos_ids |= set(geos if isinstance(geos, list) else [geos] if geos is not None else [])
         self.lora = lora
         self._load(weights_dir, cfg.get("tie_word_embeddings", False))
+        # These CPUs have no bf16 matmul units: oneDNN's bf16 GEMM runs at about half the fp32 rate once a step
+        # has many rows (prefill chunks), while for a few rows (decode) bf16 wins by reading half the bytes.
+        # So bf16 mode keeps fp32 copies of the weights (the values are the same: upcasting is exact) and uses
+        # them for steps of >= fp32_matmul_min_tokens rows; activations, KV cache and outputs stay bf16.
+        self.min_rows_fp32 = fp32_matmul_min_tokens if self.dtype == torch.bfloat16 and fp32_matmul_min_tokens else 0
+        self.w32: dict[int, torch.Tensor] = {}
+        if self.min_rows_fp32:
+            for L in self.layers:
+                for key in ("qkv", "o", "gate_up", "down"):
+                    self.w32[id(L[key])] = L[key].float()
+            self.w32[id(self.lm_head)] = self.lm_head.float()
         # RoPE tables computed in fp32 and cast, as transformers does, so fp32 runs match it bit for bit-ish.
         inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
         t = torch.arange(max_context + block_size, dtype=torch.float32)
@@ -81,10 +94,10 @@ class ModelRunner:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         slots = num_blocks * block_size
-        self.k_cache = torch.empty(self.n_layers, slots, self.n_kv, self.head_dim, dtype=self.dtype)
-        self.v_cache = torch.empty(self.n_layers, slots, self.n_kv, self.head_dim, dtype=self.dtype)
-        self.k_cache[:, :block_size].zero_()
-        self.v_cache[:, :block_size].zero_()
+        self.k_cache = torch.empty(self.n_layers, self.n_kv, slots, self.head_dim, dtype=self.dtype)
+        self.v_cache = torch.empty(self.n_layers, self.n_kv, slots, self.head_dim, dtype=self.dtype)
+        self.k_cache[:, :, :block_size].zero_()
+        self.v_cache[:, :, :block_size].zero_()
 
     def _load(self, weights_dir: Path, tied: bool) -> None:
         w = load_file(str(weights_dir / "model.safetensors"))
@@ -151,7 +164,7 @@ class ModelRunner:
                 nb = -(-ln // bs)
                 decode_gather[r, :nb] = torch.tensor(table[:nb], dtype=torch.long)
             lens = torch.tensor(decode_lens)
-            decode_mask = (torch.arange(nbmax * bs).unsqueeze(0) < lens.unsqueeze(1)).view(n_decode, 1, 1, -1)
+            decode_mask = (torch.arange(nbmax * bs).unsqueeze(0) < lens.unsqueeze(1)).view(1, n_decode, 1, -1)
         lr = torch.tensor(lora_rows, dtype=torch.long)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(pos, dtype=torch.long),
@@ -173,11 +186,27 @@ class ModelRunner:
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin
 
+    def _mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.min_rows_fp32 and x.shape[0] >= self.min_rows_fp32:
+            return F.linear(x.float(), self.w32[id(w)]).to(x.dtype)
+        return F.linear(x, w)
+
     def _lin(self, x: torch.Tensor, w: torch.Tensor, layer: int, name: str, batch: ForwardBatch) -> torch.Tensor:
-        y = F.linear(x, w)
+        y = self._mm(x, w)
         if batch.lora_rows is not None and self.lora is not None:
             y = self.lora.apply(y, x, layer, name, batch.lora_rows)
         return y
+
+    def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One query per row: plain batched matmuls. CPU flash attention is built for long queries and is ~10x
+        slower here. q [B, H, D]; k, v [KV, B, L, D]; mask [1, B, 1, L] (True = attend)."""
+        B, H, D = q.shape
+        KV = k.shape[0]
+        qg = q.view(B, KV, H // KV, D).transpose(0, 1)                   # [KV, B, G, D]: G heads share K/V
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (D ** -0.5)   # [KV, B, G, L]
+        scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.matmul(probs, v).transpose(0, 1).reshape(B, H * D)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -195,19 +224,17 @@ class ModelRunner:
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + KV) * D:].view(T, KV, D)
             kc, vc = self.k_cache[li], self.v_cache[li]
-            kc.index_copy_(0, batch.slot_mapping, k)
-            vc.index_copy_(0, batch.slot_mapping, v)
-            # 2-D [blocks, block_size*kv*d] views: index_select copies whole rows (memcpy); advanced
-            # indexing on the 4-D view is ~30x slower on CPU.
-            kb, vb = kc.view(self.num_blocks, -1), vc.view(self.num_blocks, -1)
+            kc.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+            vc.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+            # [kv, blocks, block_size*d] views: index_select copies whole block rows (memcpy); advanced
+            # indexing is ~30x slower on CPU.
+            kb, vb = kc.view(KV, self.num_blocks, -1), vc.view(KV, self.num_blocks, -1)
             outs = []
             if nd:
                 g = batch.decode_gather
-                kd = kb.index_select(0, g.view(-1)).view(nd, -1, KV, D).transpose(1, 2)   # [Bd, KV, L, D]
-                vd = vb.index_select(0, g.view(-1)).view(nd, -1, KV, D).transpose(1, 2)
-                qd = q[:nd].unsqueeze(2)                               # [Bd, H, 1, D]
-                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, enable_gqa=True)
-                outs.append(od.reshape(nd, H * D))
+                kd = kb.index_select(1, g.view(-1)).view(KV, nd, -1, D)   # [KV, Bd, L, D], contiguous
+                vd = vb.index_select(1, g.view(-1)).view(KV, nd, -1, D)
+                outs.append(self._decode_attention(q[:nd], kd, vd, batch.decode_mask))
             for t0, n, ctx, gather, mask in batch.prefills:
                 qp = q[t0:t0 + n].transpose(0, 1).unsqueeze(0)        # [1, H, n, D]
                 if gather is None:
@@ -215,8 +242,8 @@ class ModelRunner:
                     vp = v[t0:t0 + n].transpose(0, 1).unsqueeze(0)
                     op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
                 else:
-                    kp = kb.index_select(0, gather).view(-1, KV, D).transpose(0, 1).unsqueeze(0)
-                    vp = vb.index_select(0, gather).view(-1, KV, D).transpose(0, 1).unsqueeze(0)
+                    kp = kb.index_select(1, gather).view(1, KV, -1, D)
+                    vp = vb.index_select(1, gather).view(1, KV, -1, D)
                     op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
                 outs.append(op[0].transpose(0, 1).reshape(n, H * D))
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -227,4 +254,4 @@ class ModelRunner:
             x = x + self._lin(F.silu(gu[:, :inter]) * gu[:, inter:], L["down"], li, "down", batch)
         x = x.index_select(0, batch.logits_rows)
         x = self._rms(x, self.final_norm)
-        return F.linear(x, self.lm_head).float()
+        return self._mm(x, self.lm_head).float()

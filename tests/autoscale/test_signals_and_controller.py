@@ -96,7 +96,7 @@ class RecordingActuator:
         return self.cold_s
 
 
-def test_controller_scales_up_on_a_load_step_and_drains_slowly() -> None:
+def test_controller_scales_up_on_a_load_step_and_drains_slowly(tmp_path) -> None:
     pool = PoolConfig(PoolSpec("smollm2", "1"), min_replicas=1, max_replicas=4, max_running_per_replica=8, target_load=0.7)
     actuator = RecordingActuator()
     load = {"running": 2.0}
@@ -104,7 +104,8 @@ def test_controller_scales_up_on_a_load_step_and_drains_slowly() -> None:
     def reader(_pool: PoolConfig) -> Signals:
         return Signals(model="smollm2", serving=actuator.counts(pool.spec).serving, running=load["running"])
 
-    ctl = Controller([pool], actuator, "http://unused", interval_s=2.0, signal_reader=reader)
+    decisions = tmp_path / "decisions.jsonl"
+    ctl = Controller([pool], actuator, "http://unused", interval_s=2.0, signal_reader=reader, decisions_path=decisions)
     for step in range(5):
         actuator.now = step * 2.0
         ctl.tick(actuator.now)
@@ -120,3 +121,6 @@ def test_controller_scales_up_on_a_load_step_and_drains_slowly() -> None:
     assert actuator.calls[-1] == 1  # drained back down, after the cooldown
     downs = [b for a, b in zip(actuator.calls, actuator.calls[1:]) if b < a]
     assert all(a - b == 1 for a, b in zip(actuator.calls, actuator.calls[1:]) if b < a) and downs
+    recorded = [json.loads(line) for line in decisions.read_text().splitlines()]  # what the admin UI shows
+    assert [r["reason"] for r in recorded][:1] == ["scale up"] and recorded[-1]["reason"] == "scale down (drain)"
+    assert len(recorded) == len(actuator.calls) and recorded[0]["signals"]["running"] == 8.0

@@ -79,12 +79,14 @@ def test_admission_order_priority_then_deadline(make_engine, tokenizer):
 
 
 def test_interactive_preempts_batch(make_engine):
-    eng = make_engine(num_kv_blocks=41, output_estimate=16)
-    batch = [eng.add_request(list(range(300, 500)), SamplingParams(max_tokens=30, ignore_eos=True),
-                             priority=Priority.BATCH) for _ in range(3)]
+    # 30 usable blocks: two 200-token batch prompts (13 blocks each + estimate) fit, the third waits
+    eng = make_engine(num_kv_blocks=31, output_estimate=16)
+    batch = [eng.add_request(list(range(300 + 1000 * i, 500 + 1000 * i)), SamplingParams(max_tokens=30, ignore_eos=True),
+                             priority=Priority.BATCH) for i in range(3)]
     for _ in range(3):
         eng.step()
-    inter = eng.add_request(list(range(600, 800)), SamplingParams(max_tokens=4, ignore_eos=True),
+    assert len(eng.scheduler.running) == 2
+    inter = eng.add_request(list(range(6000, 6200)), SamplingParams(max_tokens=4, ignore_eos=True),
                             priority=Priority.INTERACTIVE)
     eng.step()
     assert inter in eng.scheduler.running

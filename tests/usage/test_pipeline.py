@@ -92,7 +92,7 @@ def test_crash_between_write_and_commit_gives_no_duplicates(kafka_bootstrap, tmp
     class Crash(Exception):
         pass
 
-    def crash():
+    def crash(*_args, **_kwargs):
         raise Crash
 
     first._ensure_consumer().commit = crash  # the batch is written, then the process "dies"
