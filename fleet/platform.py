@@ -1,7 +1,8 @@
 """`fleet up` / `fleet down` / `fleet status`: the whole local platform on embedded defaults.
 
 Order of start: registry migration and seed, engine build (cached), Kafka broker (tansu), usage loader,
-one Triton replica, router, admin UI. Each step is skipped when already running, so `up` is re-runnable.
+one Triton replica, router, autoscaler (unless FLEET_AUTOSCALER=off), admin UI. Each step is skipped
+when already running, so `up` is re-runnable.
 """
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ def up(settings: Settings) -> None:
     console.print("  [green]✓[/] Triton replica serving ensemble `llm`")
     _start(settings, "router", [sys.executable, "-m", "router_service"],
            lambda: _http_ok(f"{settings.router_http_url}/health"), "router", info={"kind": "router"})
+    if os.environ.get("FLEET_AUTOSCALER", "on") != "off":
+        _start(settings, "autoscaler", [sys.executable, "-m", "fleet.cli", "autoscale", "run"], lambda: True,
+               "autoscaler (local actuator)", info={"kind": "autoscaler"})
     ui = f"http://127.0.0.1:{settings.admin_ui_port}"
     _start(settings, "admin-ui", [sys.executable, "-m", "streamlit", "run", str(REPO_ROOT / "admin_ui" / "app.py"),
                                   "--server.port", str(settings.admin_ui_port), "--server.address", "127.0.0.1",
@@ -99,8 +103,8 @@ curl -N {http_url}/v1/chat/completions -H "Authorization: Bearer $(cat {settings
 
 
 def down(settings: Settings) -> None:
-    # router first so no new work reaches replicas, broker last so the loader can drain
-    order = {"admin-ui": 0, "router": 1, "usage-loader": 3, "kafka": 4}
+    # autoscaler first so it does not replace replicas being stopped; broker last so the loader can drain
+    order = {"autoscaler": -1, "admin-ui": 0, "router": 1, "usage-loader": 3, "kafka": 4}
     for info in sorted(processes.running(settings), key=lambda p: order.get(p["name"], 2)):
         if info.get("kind") == "replica":
             stop_replica(settings, info["replica_id"])

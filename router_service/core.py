@@ -32,6 +32,7 @@ from usage.events import UsageEvent
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
+INLINE_TOKENIZE_CHARS = 2000
 
 
 @dataclass
@@ -128,11 +129,7 @@ class Router:
             if req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
                 raise RouterError("deadline_exceeded", f"deadline_ms {req.deadline_ms} has already passed")
             if req.prompt_ids is None:
-                if req.chat_messages is not None:
-                    ids = await asyncio.to_thread(self.tokenizers.encode_chat, model.weights_uri, req.chat_messages)
-                else:
-                    ids = await asyncio.to_thread(self.tokenizers.encode, model.weights_uri, req.prompt_text or "")
-                req.prompt_ids = ids
+                req.prompt_ids = await self._tokenize(model, req)
             req.check_prompt_fits(model.max_context)
             p = Prepared(req, caller, model, list(req.prompt_ids), arrived=arrived,
                          home=home_region(caller.region, self.region))
@@ -154,6 +151,18 @@ class Router:
                 metrics.REJECTED.labels(exc.code).inc()
             raise
         return p
+
+    async def _tokenize(self, model: ModelInfo, req: GenerateRequest) -> list[int]:
+        """Short prompts inline (a thread hop costs more than encoding them); long ones off the event loop."""
+        size = len(req.prompt_text or "") if req.chat_messages is None else sum(len(m["content"]) for m in req.chat_messages)
+        loaded = self.tokenizers.loaded(model.weights_uri)
+        if req.chat_messages is not None:
+            fn, arg = self.tokenizers.encode_chat, req.chat_messages
+        else:
+            fn, arg = self.tokenizers.encode, req.prompt_text or ""
+        if loaded and size <= INLINE_TOKENIZE_CHARS:
+            return fn(model.weights_uri, arg)
+        return await asyncio.to_thread(fn, model.weights_uri, arg)
 
     # --- admission and replicas ------------------------------------------------------------------------
     def serving_replicas(self, model: ModelInfo, exclude: set[str]) -> list[ReplicaInfo]:

@@ -26,6 +26,9 @@ class TokenizerCache:
                 tok = self._tokenizers[weights_dir] = AutoTokenizer.from_pretrained(weights_dir)
             return tok
 
+    def loaded(self, weights_dir: str) -> bool:
+        return weights_dir in self._tokenizers
+
     def encode(self, weights_dir: str, text: str) -> list[int]:
         return list(self.get(weights_dir).encode(text, add_special_tokens=False))
 
