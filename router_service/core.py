@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from fleet.hashing import prefix_block_hashes
 from router_service import metrics
+from router_service.accounting import account
 from router_service.admission import AdmissionQueue
 from router_service.batch_yield import BatchYield
 from router_service.cancellation import CancelHandle, InflightRequests
@@ -28,7 +29,6 @@ from router_service.request import TIERS, Finished, GenerateRequest, TokenDelta
 from router_service.rollout import pick_version
 from router_service.tokenization import TokenizerCache
 from router_service.upstream import Preempted, ReplicaClient, ReplicaFailed
-from usage.events import UsageEvent
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
@@ -333,7 +333,8 @@ class Router:
                     failed.add(replica_id)
                     log.warning("replica %s failed during %s after %d tokens (attempt %d): %s", replica_id,
                                 req.request_id, len(emitted), failures, exc)
-                    self.cordon(replica_id, f"stream of {req.request_id} broke: {exc}")
+                    if not exc.alive:  # a replica that answers with an error stays in service
+                        self.cordon(replica_id, f"stream of {req.request_id} broke: {exc}")
                     if req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
                         log.info("not retrying %s: its deadline has passed", req.request_id)
                         finish = self._finished(p, "deadline", emitted, replica_id, cached_tokens)
@@ -374,31 +375,7 @@ class Router:
 
     def _account(self, p: Prepared, finish: Finished | None, status: str, emitted: list[int],
                  first_token_at: float | None, replica_id: str) -> None:
-        req = p.req
-        reason = finish.finish_reason if finish else ("cancelled" if status == "cancelled" else "error")
-        if status == "ok" and reason == "cancelled":
-            status = "cancelled"
-        now = time.monotonic()
-        metrics.REQUESTS.labels(req.model, req.tier, status).inc()
-        metrics.TOKENS.labels(req.model, req.tier).inc(len(emitted))
-        metrics.PROMPT_TOKENS.labels(req.model, req.tier).inc(len(p.prompt_ids))
-        if finish is not None:
-            metrics.CACHED_PROMPT_TOKENS.labels(req.model, req.tier).inc(finish.cached_prompt_tokens)
-        if first_token_at is not None and len(emitted) > 1 and now > first_token_at:
-            metrics.STREAM_TOKENS_PER_S.labels(req.model, req.tier).observe((len(emitted) - 1) / (now - first_token_at))
-        if self.usage is None:
-            return
-        event = UsageEvent(
-            request_id=req.request_id, ts=time.time(), caller=p.caller.name, team=p.caller.team,
-            model=p.model.name, version=p.model.version, adapter=req.adapter, priority=req.tier,
-            region=p.home, replica_id=replica_id, prompt_tokens=len(p.prompt_ids),
-            cached_prompt_tokens=finish.cached_prompt_tokens if finish else 0, completion_tokens=len(emitted),
-            ttft_ms=round((first_token_at - p.arrived) * 1000, 3) if first_token_at else 0.0,
-            duration_ms=round((now - p.arrived) * 1000, 3), finish_reason=reason, status=status)
-        try:
-            self.usage.emit(event)
-        except Exception:  # metering must never break serving; the spool write failing is logged loudly
-            log.exception("could not spool usage event for %s", req.request_id)
+        account(self.usage, p, finish, status, len(emitted), first_token_at, replica_id)
 
     async def close(self) -> None:
         for client in self.clients.values():

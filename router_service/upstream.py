@@ -19,7 +19,12 @@ OUTPUTS = ("text_output", "output_ids", "finish_reason", "usage")
 
 
 class ReplicaFailed(Exception):
-    """The replica broke the stream (died, refused, or returned an error)."""
+    """The replica broke the stream: `alive=False` when the connection failed (died, unreachable), True when
+    the replica answered the request with an error (it is up; only this request failed there)."""
+
+    def __init__(self, message: str, alive: bool = False) -> None:
+        super().__init__(message)
+        self.alive = alive
 
 
 class Preempted(Exception):
@@ -106,7 +111,7 @@ class ReplicaClient:
         try:
             async for result, error in stream:
                 if error is not None:
-                    raise ReplicaFailed(str(error))
+                    raise ReplicaFailed(str(error), alive=True)
                 text, ids, reason, usage = _decode(result)
                 if text or ids:
                     yield TokenDelta(text, ids)

@@ -3,7 +3,7 @@
 One batch = poll (up to `batch_max` records or `max_wait_s`) -> validate -> one DuckDB transaction
 (INSERT OR IGNORE on request_id, plus the rejects) -> dead-letter sends flushed -> offsets committed.
 `run()` pipelines: the next batch is polled and validated while the previous one is being written.
-Offsets are committed only after the write, so a crash at any point re-delivers at most the last batch,
+Offsets are committed only after the write, so a crash at any point re-delivers at most the last two batches,
 and the primary key on request_id turns that redelivery (and any producer resend) into no-ops:
 no loss, no duplicate rows.
 
@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import operator
+import os
 import signal
 import subprocess
 import sys
@@ -256,7 +257,6 @@ class UsageLoader:
     def _fault(self, point: str) -> None:
         """Fault injection for the crash tests: FLEET_USAGE_FAULT=mid_write|after_write kills the process
         inside the store transaction, or after it committed but before the offset commit."""
-        import os
         if os.environ.get("FLEET_USAGE_FAULT") == point:
             os._exit(137)
 

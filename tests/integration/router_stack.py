@@ -80,6 +80,14 @@ class RouterStack:
         self.router = processes.spawn([sys.executable, "-m", "router_service", *args], log, env=self.env, cwd=REPO_ROOT)
         processes.wait_until(lambda: _ok(f"{self.http_url}/health"), 60, "router", self.router, log)
 
+    def restart_router(self, extra_env: dict[str, str], args: tuple[str, ...] = ("--no-usage",)) -> None:
+        """Restart the router with more env (e.g. another FLEET_ROUTER_POLICY); waits for replica reports."""
+        if self.router is not None:
+            processes.stop_pid(self.router.pid)
+        self.env.update(extra_env)
+        self.start_router(args)
+        self.wait_reporting(self.replica_ids)
+
     def add_replicas(self, indexes, engine_env: dict[str, str] | None = None) -> None:
         errors: list[BaseException] = []
 

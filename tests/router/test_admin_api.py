@@ -64,3 +64,28 @@ def test_cordon_and_fleet_view(client):
     assert fleet["replicas"][0]["state"] == "cordoned" and fleet["routes"] == {"m": {"1": 100}}
     r = http.post("/admin/replicas/m-r0/explode", headers=_auth(OPERATOR))
     assert r.status_code == 404 and "cordon, drain, uncordon" in r.json()["error"]["message"]
+
+
+def test_registry_changes_reach_a_watching_router_within_one_second(sqlite_url):
+    """A second router (its own RegistryCache) sees an admin change made elsewhere within 1 s."""
+    import asyncio
+    import time
+
+    migrate(sqlite_url)
+    with session_scope(sqlite_url) as s:
+        for v in ("1", "2"):
+            queries.upsert_model_version(s, "m", v, status="serving", max_context=2048)
+        queries.set_routes(s, "m", {"1": 100}, actor="seed")
+    cache = RegistryCache(sqlite_url)
+
+    async def main():
+        watcher = asyncio.create_task(cache.watch())
+        await asyncio.sleep(0.1)
+        with session_scope(sqlite_url) as s:
+            queries.set_routes(s, "m", {"2": 100}, actor="other-router")
+        changed = time.monotonic()
+        while cache.snapshot.routes.get("m") != {"2": 100} and time.monotonic() - changed < 2:
+            await asyncio.sleep(0.02)
+        watcher.cancel()
+        return time.monotonic() - changed
+    assert asyncio.run(main()) < 1.0
