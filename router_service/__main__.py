@@ -66,6 +66,7 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     watcher = asyncio.create_task(registry.watch())
+    warm = asyncio.create_task(asyncio.to_thread(router.warm_tokenizers))  # noqa: F841 (runs in the background)
     http_task = asyncio.create_task(http_server.serve())
     log.info("router serving gRPC on %s:%d and HTTP on %s:%d (registry version %d)", args.host, args.grpc_port,
              args.host, args.http_port, registry.snapshot.version)

@@ -377,6 +377,15 @@ class Router:
                  first_token_at: float | None, replica_id: str) -> None:
         account(self.usage, p, finish, status, len(emitted), first_token_at, replica_id)
 
+    def warm_tokenizers(self) -> None:
+        """Load the tokenizers of served model versions ahead of the first request (run in a thread)."""
+        for versions in self.registry.snapshot.models.values():
+            for info in versions.values():
+                try:
+                    self.tokenizers.get(info.weights_uri)
+                except Exception as exc:  # a missing tokenizer is reported to the first caller that needs it
+                    log.info("tokenizer for %s %s not preloaded: %s", info.name, info.version, exc)
+
     async def close(self) -> None:
         for client in self.clients.values():
             await client.close()

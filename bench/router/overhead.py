@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import tritonclient.grpc.aio as grpcaio  # noqa: E402
 
+from router_service.registry_cache import load_snapshot  # noqa: E402
 from tests.integration.router_client import CHATML, stream_once  # noqa: E402
 from tests.integration.router_stack import RouterStack  # noqa: E402
 
@@ -117,17 +118,15 @@ async def main_async(args) -> dict:
     data_dir = Path(tempfile.mkdtemp(prefix="bench-router-"))
     stack = RouterStack.start(data_dir, replicas=1)
     try:
-        replica = next(r for r in stack.fleet()["replicas"])
-        replica_url = next(r.grpc_url for r in __import__("router_service.registry_cache", fromlist=["x"])
-                           .load_snapshot(stack.settings.db_url).replicas if r.replica_id == replica["replica_id"])
+        replica_url = load_snapshot(stack.settings.db_url).replicas[0].grpc_url
         costs = await _calibrate(replica_url)
         (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
         (ROOT / "bench" / "results" / "router-engine-costs.json").write_text(json.dumps(costs, indent=2) + "\n")
         print("engine costs", json.dumps(costs), flush=True)
-        await _mixed_round(replica_url, stack.grpc_url, stack.api_key, 16, args.max_tokens, 0)  # warm up
+        await _mixed_round(replica_url, stack.grpc_url, stack.api_key, args.streams, args.max_tokens, 0)  # warm-up
         seq_d, seq_r = await _sequential_pairs(replica_url, stack.grpc_url, stack.api_key, args.pairs)
         print("sequential", json.dumps(_stats(seq_d)), json.dumps(_stats(seq_r)), flush=True)
-        direct, routed, cpu_s, routed_tokens = [], [], 0.0, 0
+        direct, routed, cpu_s, routed_tokens, per_round = [], [], 0.0, 0, []
         for k in range(args.rounds):
             before = _cpu_s(stack.router.pid)
             d, r = await _mixed_round(replica_url, stack.grpc_url, stack.api_key, args.streams, args.max_tokens, k + 1)
@@ -135,6 +134,10 @@ async def main_async(args) -> dict:
             routed_tokens += sum(len(x.ids) for x in r if x.error is None)
             direct += d
             routed += r
+            sd, sr = _stats(d), _stats(r)
+            per_round.append({"added_p50_ms": round(sr["ttft_p50_ms"] - sd["ttft_p50_ms"], 2),
+                              "added_p99_ms": round(sr["ttft_p99_ms"] - sd["ttft_p99_ms"], 2),
+                              "direct_p50_ms": sd["ttft_p50_ms"], "router_p50_ms": sr["ttft_p50_ms"]})
             print("round", k, json.dumps(_stats(d)), json.dumps(_stats(r)), flush=True)
         metrics = stack.metrics()
     finally:
@@ -146,7 +149,9 @@ async def main_async(args) -> dict:
                                  "added_ttft_p50_ms": round(sr["ttft_p50_ms"] - sd["ttft_p50_ms"], 2),
                                  "added_ttft_p99_ms": round(sr["ttft_p99_ms"] - sd["ttft_p99_ms"], 2)},
             "concurrent_streams": args.streams, "rounds": args.rounds, "max_tokens": args.max_tokens,
-            "direct": d, "router": r,
+            "direct": d, "router": r, "per_round": per_round,
+            "median_per_round_added_ttft_p50_ms": statistics.median(x["added_p50_ms"] for x in per_round),
+            "median_per_round_added_ttft_p99_ms": statistics.median(x["added_p99_ms"] for x in per_round),
             "added_ttft_p50_ms": round(r["ttft_p50_ms"] - d["ttft_p50_ms"], 2),
             "added_ttft_p99_ms": round(r["ttft_p99_ms"] - d["ttft_p99_ms"], 2),
             "ttft_p50_ratio": round(r["ttft_p50_ms"] / d["ttft_p50_ms"], 3),

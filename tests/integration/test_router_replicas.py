@@ -82,6 +82,29 @@ def test_cancel_by_id_ends_the_stream_and_frees_the_slot(stack):
     assert all(r["inflight"] == 0 for r in stack.fleet()["replicas"])
 
 
+def test_caller_disconnect_and_stream_cancel_cancel_upstream(stack):
+    headers = {"authorization": f"Bearer {stack.api_key}"}
+    body = {"model": MODEL, "prompt": CHATML.format(q="Tell me a very long story."), "stream": True,
+            "max_tokens": 300, "temperature": 0}
+    with httpx.stream("POST", f"{stack.http_url}/v1/completions", json=body, headers=headers, timeout=60) as r:
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            got += line.startswith("data: ")
+            if got == 3:
+                break  # leaving the block closes the connection mid-stream
+
+    async def grpc_cancel():  # tritonclient stream cancelled by the caller (timeout) mid-stream
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(_one(stack, CHATML.format(q="Tell me another long story."), 300), 1.5)
+    _run(grpc_cancel())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(r["inflight"] for r in stack.fleet()["replicas"]):
+        time.sleep(0.1)
+    assert all(r["inflight"] == 0 for r in stack.fleet()["replicas"])
+    assert 'fleet_router_cancels_total{how="disconnect",model="smollm2-135m"} 2.0' in stack.metrics()
+
+
 def test_overload_sheds_batch_and_keeps_interactive_ttft(stack):
     async def interactive_ttfts(n: int) -> list[float]:
         ttfts = []
