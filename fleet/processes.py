@@ -87,7 +87,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def stop_pid(pid: int, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left after the grace period."""
+    """SIGTERM the process group, SIGKILL the leader if it outlives the grace period, then SIGKILL whatever
+    else is left in the group (a tritonserver can exit before its Python-backend stubs do)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pid, sig)
@@ -99,7 +100,12 @@ def stop_pid(pid: int, grace_s: float = 10.0) -> None:
         while time.monotonic() < deadline and pid_alive(pid):
             time.sleep(0.1)
         if not pid_alive(pid):
-            return
+            break
+    time.sleep(0.2)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def stop(settings: Settings, name: str) -> bool:
