@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,5 +26,19 @@ def platform(tmp_path_factory):
     assert down.returncode == 0, down.stderr
     time.sleep(1)
     assert not [pid for pid in pids if pid_alive(pid)], "fleet down left processes behind"
+    assert not _group_members(set(pids)), "fleet down left child processes (e.g. backend stubs) behind"
+
+
+def _group_members(groups: set[int]) -> list[int]:
+    """Live processes whose process group is one that `fleet up` started."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) in groups:
+            out.append(int(stat.parent.name))
+    return out
 
 
