@@ -134,7 +134,8 @@ def bench_llama(settings, workloads: dict, args) -> dict:
         proc = subprocess.Popen([str(binary), "-m", str(smollm2_gguf()), "--parallel", str(conc), "-c",
                                  str(conc * 1400), "--threads", str(args.threads), "--threads-batch", str(args.threads), "--port", str(port),
                                  "--host", "127.0.0.1"],
-                                stdout=log, stderr=subprocess.STDOUT)
+                                stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)   # its own process group: stop_pid kills the group
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -171,18 +172,21 @@ def write_doc(report: dict, command: str) -> None:
         e = report["systems"].get("engine", {}).get(str(conc))
         if not e:
             continue
-        parts = [f"c={conc}:"]
+        parts = []
         for peer in ("hf", "llama"):
             p = report["systems"].get(peer, {}).get(str(conc))
             if p and p["throughput_tok_s"]:
                 parts.append(f"throughput {e['throughput_tok_s'] / p['throughput_tok_s']:.2f}x {peer}")
-        parts.append(f"prefix-cache saved {100 * e['prefix_saved_shared']:.0f} % of shared-prompt prefill "
-                     f"({100 * e['prefix_saved_all']:.0f} % of all)")
+                if p.get("ttft_ms_p95"):
+                    parts.append(f"TTFT p95 {e['ttft_ms_p95'] / p['ttft_ms_p95']:.2f}x {peer}")
+        parts.append(f"prefix cache saved {100 * e['prefix_saved_shared']:.0f} % of the shared-prompt requests' "
+                     f"prefill ({100 * e['prefix_saved_all']:.0f} % of all prompt tokens)")
         if e.get("kv_overhead_max"):
-            parts.append(f"KV overhead max {e['kv_overhead_max']:.3f}x")
-        if e.get("itl_ms_p50"):
-            parts.append(f"decode {1000 / e['itl_ms_p50']:.1f} tok/s per stream (1/ITL p50)")
-        notes.append("- " + ", ".join(parts))
+            parts.append(f"KV blocks in use / resident tokens max {e['kv_overhead_max']:.3f}x")
+        if conc == 1 and e.get("itl_ms_p50"):
+            parts.append(f"single-stream decode {1000 / e['itl_ms_p50']:.1f} tok/s (1 / ITL p50)")
+        notes.append(f"- c={conc}: " + ", ".join(parts))
+    notes += [f"- {n}" for n in report.get("notes", [])]
     about = ("Our engine (python_backends/engine, served by tritonserver as the decoupled model `engine`, driven over "
              "gRPC streaming) vs transformers `generate` with static batches (batch = concurrency, left padding, "
              "runs to the longest output of the batch) vs llama.cpp `llama-server --parallel N` (Q4_1 GGUF, "
@@ -199,7 +203,7 @@ def write_doc(report: dict, command: str) -> None:
     if "## Engine" in text:
         head, rest = text.split("## Engine", 1)
         tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
-        text = head + section + tail.lstrip("\n")
+        text = head + section + ("\n" + tail.lstrip("\n") if tail else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
     DOC.parent.mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,7 @@ class Sequence:
         self.block_hashes: list[int] = []   # chain hashes of full prompt blocks (computed once)
         self.num_hashed_blocks = 0       # leading blocks of block_table registered in the prefix cache
         self.finish_reason: FinishReason | None = None
+        self.error = ""                  # why the request was rejected (finish_reason error)
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None

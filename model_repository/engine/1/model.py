@@ -47,10 +47,9 @@ class _TritonSink:
             pb_utils.Tensor("finish_reason", np.asarray([out.finish_reason.encode()], dtype=np.object_)),
             pb_utils.Tensor("usage", np.asarray(out.usage, dtype=np.int32)),
         ]
-        error = getattr(out.seq, "error", None) if out.finish_reason == "error" else None
         response = pb_utils.InferenceResponse(output_tensors=tensors)
-        if error:
-            log.warning("request rejected: %s", error)
+        if out.finish_reason == "error":
+            log.warning("request rejected: %s", out.seq.error)
         self.sender.send(response, flags=FINAL if out.finished else 0)
 
 
