@@ -2,15 +2,19 @@
 (operator) and viewer tokens."""
 from __future__ import annotations
 
+import json
 import secrets
+import shutil
 
-from fleet.settings import Settings
+from fleet.settings import REPO_ROOT, Settings
 from registry import queries
 from registry.db import session_scope
 from registry.schema import WarmBuffer
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_VERSION = "1"
+DEV_TEAM = "dev-team"
+SHIPPED_ADAPTERS = REPO_ROOT / "adapters" / DEFAULT_MODEL  # trained by python_backends/engine/lora_train.py
 
 
 def seed(settings: Settings) -> tuple[str, str]:
@@ -23,14 +27,30 @@ def seed(settings: Settings) -> tuple[str, str]:
             queries.set_model_status(s, DEFAULT_MODEL, DEFAULT_VERSION, "serving")
         existing = settings.dev_api_key_file.read_text().strip() if settings.dev_api_key_file.exists() else ""
         if not existing or queries.caller_by_key(s, existing) is None:
-            existing = queries.create_caller(s, "dev", "dev-team", api_key=existing or None)
+            existing = queries.create_caller(s, "dev", DEV_TEAM, api_key=existing or None)
             settings.dev_api_key_file.write_text(existing + "\n")
             settings.dev_api_key_file.chmod(0o600)
         if not s.query(WarmBuffer).filter_by(model=DEFAULT_MODEL, version=DEFAULT_VERSION).first():
             s.add(WarmBuffer(model=DEFAULT_MODEL, version=DEFAULT_VERSION, min_idle_replicas=0, min_replicas=1,
                              max_replicas=2, slo_ttft_ms_p95=500, slo_tokens_per_s=40))
+    install_shipped_adapters(settings)
     for path, prefix in ((settings.admin_token_file, "fa-"), (settings.viewer_token_file, "fv-")):
         if not path.exists():
             path.write_text(prefix + secrets.token_urlsafe(24) + "\n")
             path.chmod(0o600)
     return existing, settings.admin_token_file.read_text().strip()
+
+
+def install_shipped_adapters(settings: Settings) -> list[str]:
+    """Copy the repo's trained LoRA adapters into the replicas' adapters dir and register them (team dev-team)."""
+    names = []
+    target_root = settings.data_dir / "adapters"  # the `adapters_dir` build_engines writes into engine configs
+    for src in sorted(p for p in SHIPPED_ADAPTERS.iterdir() if (p / "adapter_config.json").exists()):
+        dst = target_root / src.name
+        if not dst.exists():
+            shutil.copytree(src, dst)
+        rank = int(json.loads((src / "adapter_config.json").read_text()).get("r", 8))
+        with session_scope(settings.db_url) as s:
+            queries.upsert_adapter(s, src.name, DEFAULT_MODEL, DEFAULT_VERSION, str(dst), rank, DEV_TEAM)
+        names.append(src.name)
+    return names

@@ -153,6 +153,19 @@ def list_adapters(session: Session) -> list[Adapter]:
     return list(session.scalars(select(Adapter)))
 
 
+def upsert_adapter(session: Session, name: str, base_model: str, base_version: str, uri: str, rank: int,
+                   owner_team: str) -> Adapter:
+    ensure_team(session, owner_team)
+    row = session.get(Adapter, name)
+    if row is None:
+        row = Adapter(name=name)
+        session.add(row)
+    row.base_model, row.base_version, row.uri, row.rank, row.owner_team = base_model, base_version, uri, rank, owner_team
+    row.status = "ready"
+    bump_version(session)
+    return row
+
+
 # --- replicas ----------------------------------------------------------------------------------------
 
 def upsert_replica(session: Session, replica_id: str, **fields) -> Replica:

@@ -81,3 +81,16 @@ def test_bad_input_gets_clear_errors_and_the_platform_keeps_serving(platform):
     # still serving after all of that
     text = "".join(r.as_numpy("text_output")[0].decode() for r in platform.stream(CHATML))
     assert "Paris" in text
+
+
+def test_shipped_lora_adapter_changes_the_answer_through_the_router(platform):
+    question = "<|im_start|>user\nWhat is the capital of Italy?<|im_end|>\n<|im_start|>assistant\n"
+    base = "".join(r.as_numpy("text_output")[0].decode() for r in platform.stream(question))
+    french = "".join(r.as_numpy("text_output")[0].decode() for r in platform.stream(question, adapter="french"))
+    assert base != french and "capitale" in french.lower()
+    err = None
+    try:
+        platform.stream(question, adapter="klingon")
+    except Exception as exc:  # unknown adapter: NOT_FOUND naming the known ones
+        err = exc
+    assert err is not None and "NOT_FOUND" in str(err.status()) and "french" in err.message()
