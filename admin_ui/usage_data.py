@@ -61,19 +61,10 @@ def tokens_over_time(since: dt.date | None, until: dt.date | None, team: str | N
 
 def _tokens_by_team_hour(since: dt.date | None, until: dt.date | None, team: str | None,
                          path: Path | None) -> pd.DataFrame:
-    clauses, params = ["TRUE"], []
-    if since is not None:
-        clauses.append("day >= CAST(? AS DATE)")
-        params.append(str(since))
-    if until is not None:
-        clauses.append("day < CAST(? AS DATE)")
-        params.append(str(until))
-    if team is not None:
-        clauses.append("team = ?")
-        params.append(team)
+    where, params = chargeback.where_clause(since, until, {"team": team})
     sql = ("SELECT date_trunc('hour', epoch_ms(CAST(ts * 1000 AS BIGINT))) AS period, team, "
            "sum(prompt_tokens - cached_prompt_tokens) AS prefill_tokens, sum(cached_prompt_tokens) AS cached_tokens, "
-           f"sum(completion_tokens) AS decode_tokens FROM usage_events WHERE {' AND '.join(clauses)} "
+           f"sum(completion_tokens) AS decode_tokens FROM usage_events WHERE {where} "
            "GROUP BY ALL ORDER BY period, team")
     with store.connect(store_path(path), read_only=True) as con:
         return con.execute(sql, params).df()

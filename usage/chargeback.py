@@ -47,7 +47,8 @@ def _group_cols(group_by: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(group_by))
 
 
-def _where(since: DateLike, until: DateLike, filters: dict[str, str | None]) -> tuple[str, list]:
+def where_clause(since: DateLike, until: DateLike, filters: dict[str, str | None]) -> tuple[str, list]:
+    """SQL WHERE text and parameters for a day range (`until` exclusive) and equality filters on dimensions."""
     clauses, params = ["TRUE"], []
     if since is not None:
         clauses.append("day >= CAST(? AS DATE)")
@@ -83,7 +84,7 @@ def usage_summary(store_path: Path, since: DateLike = None, until: DateLike = No
                   team: str | None = None, caller: str | None = None, model: str | None = None) -> pd.DataFrame:
     """Requests, errors, cancelled, prefill/cached/decode tokens per group."""
     cols = _group_cols(group_by)
-    where, params = _where(since, until, {"team": team, "caller": caller, "model": model})
+    where, params = where_clause(since, until, {"team": team, "caller": caller, "model": model})
     dims = _select_dims(cols)
     sql = (f"SELECT {dims + ',' if dims else ''} {_TOKEN_SUMS} FROM usage_events WHERE {where}"
            + (f" GROUP BY ALL ORDER BY {', '.join(cols)}" if cols else ""))
@@ -105,7 +106,7 @@ def cost_table(store_path: Path, since: DateLike = None, until: DateLike = None,
     """usage_summary columns plus cost_prefill, cost_cached, cost_decode, cost_total, priced per model."""
     cols = _group_cols(group_by)
     inner = list(dict.fromkeys([*cols, "model"]))  # prices are per model: sum costs after pricing
-    where, params = _where(since, until, {"team": team, "caller": caller, "model": model})
+    where, params = where_clause(since, until, {"team": team, "caller": caller, "model": model})
     outer_dims = ", ".join(cols)
     sql = f"""
         WITH u AS (SELECT {_select_dims(inner)}, {_TOKEN_SUMS} FROM usage_events WHERE {where} GROUP BY ALL),
@@ -140,8 +141,8 @@ def gpu_hours_by_team(store_path: Path, since: DateLike = None, until: DateLike 
     """GPU-hours allocated per team (and day): columns team, [day], gpu_hours, work_tokens, share,
     tokens_per_gpu_hour. Shares are computed over all teams, then filtered by `team`."""
     w = {**WORK_WEIGHTS, **(work_weights or {})}
-    where, params = _where(since, until, {})
-    gwhere, gparams = _where(since, until, {})
+    where, params = where_clause(since, until, {})
+    gwhere, gparams = where_clause(since, until, {})
     sql = f"""
         WITH work AS (
             SELECT day, model, version, team,

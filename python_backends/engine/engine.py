@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from python_backends.engine.config import EngineConfig
 from python_backends.engine.kv_cache_manager import KVCacheManager
-from python_backends.engine.lora import FUSED, AdapterError, LoraManager
+from python_backends.engine.lora import FUSED, LoraManager
 from python_backends.engine.metrics import EngineStats
 from python_backends.engine.model_runner import ModelRunner, SeqChunk
 from python_backends.engine.sampling import sample

@@ -1,29 +1,22 @@
 """End to end on CPU: build version 2 of SmolLM2 with build-engines, a real Triton replica serves it, a rollout
-gives it a share of the traffic, and it answers. Needs the CPU engine's Triton model (model_repository/engine/1)."""
+gives it a share of the traffic, and it answers."""
 from __future__ import annotations
 
-import queue
 import socket
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
 from build_engines.build import build
 from build_engines.plan import parse_options
 from fleet.replicas import PORTS_PER_REPLICA, ReplicaSpec, replica_base_port, start_replica, stop_replica
 from fleet.services import replica_ports
-from fleet.settings import REPO_ROOT, Settings, load_settings
+from fleet.settings import Settings, load_settings
 from registry.db import session_scope
 from registry.queries import routes_for, set_routes
+from tests.integration.platform import stream_completion
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(not (REPO_ROOT / "model_repository" / "engine" / "1" / "model.py").exists(),
-                       reason="the CPU engine's Triton model (model_repository/engine/1/model.py) is not there yet"),
-]
+pytestmark = pytest.mark.integration
 CHATML = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -48,27 +41,8 @@ def _free(port: int) -> bool:
 
 
 def ask(grpc_url: str, text: str, max_tokens: int = 16) -> tuple[str, list]:
-    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("max_tokens", [1], "INT32"),
-              grpcclient.InferInput("temperature", [1], "FP32")]
-    inputs[0].set_data_from_numpy(np.array([text.encode()], dtype=object))
-    inputs[1].set_data_from_numpy(np.array([max_tokens], dtype=np.int32))
-    inputs[2].set_data_from_numpy(np.array([0.0], dtype=np.float32))
-    results: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(grpc_url)
-    client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer("llm", inputs, request_id=f"be-{time.time_ns()}")
-    out = []
-    try:
-        while True:
-            result, error = results.get(timeout=120)
-            if error is not None:
-                raise error
-            out.append(result)
-            if result.as_numpy("finish_reason")[0]:
-                break
-    finally:
-        client.stop_stream(cancel_requests=True)
-        client.close()
+    """Straight to a replica's ensemble `llm` (no router, no auth)."""
+    out = stream_completion(grpc_url, text, "llm", max_tokens)
     return "".join(r.as_numpy("text_output")[0].decode() for r in out), out
 
 

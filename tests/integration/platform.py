@@ -48,33 +48,39 @@ class Platform:
 
     def stream(self, text: str, model: str = "smollm2-135m", max_tokens: int = 24, key: str | None = None,
                **params) -> list:
-        """One greedy streamed request with stock tritonclient; returns every InferResult (raises on error)."""
-        inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("max_tokens", [1], "INT32"),
-                  grpcclient.InferInput("temperature", [1], "FP32")]
-        inputs[0].set_data_from_numpy(np.array([text.encode()], dtype=object))
-        inputs[1].set_data_from_numpy(np.array([max_tokens], dtype=np.int32))
-        inputs[2].set_data_from_numpy(np.array([0.0], dtype=np.float32))
-        results: queue.Queue = queue.Queue()
-        client = grpcclient.InferenceServerClient(self.grpc_url)
-        client.start_stream(callback=lambda result, error: results.put((result, error)),
-                            headers={"authorization": f"Bearer {key if key is not None else self.api_key}"})
-        client.async_stream_infer(model, inputs, request_id=f"skeleton-{time.time_ns()}", parameters=params)
-        out = []
-        try:
-            while True:
-                result, error = results.get(timeout=120)
-                if error is not None:
-                    raise error
-                out.append(result)
-                if result.as_numpy("finish_reason")[0]:
-                    return out
-        finally:
-            client.stop_stream(cancel_requests=True)
-            client.close()
+        """One greedy streamed request through the router; returns every InferResult (raises on error)."""
+        headers = {"authorization": f"Bearer {key if key is not None else self.api_key}"}
+        return stream_completion(self.grpc_url, text, model, max_tokens, headers, **params)
 
     def fleet(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "fleet.cli", *args], env=self.env, cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=timeout)
+
+
+def stream_completion(grpc_url: str, text: str, model: str, max_tokens: int = 24, headers: dict | None = None,
+                      **params) -> list:
+    """One greedy request over stock tritonclient gRPC streaming (router or replica); every InferResult."""
+    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("max_tokens", [1], "INT32"),
+              grpcclient.InferInput("temperature", [1], "FP32")]
+    inputs[0].set_data_from_numpy(np.array([text.encode()], dtype=object))
+    inputs[1].set_data_from_numpy(np.array([max_tokens], dtype=np.int32))
+    inputs[2].set_data_from_numpy(np.array([0.0], dtype=np.float32))
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)), headers=headers)
+    client.async_stream_infer(model, inputs, request_id=f"test-{time.time_ns()}", parameters=params or None)
+    out = []
+    try:
+        while True:
+            result, error = results.get(timeout=120)
+            if error is not None:
+                raise error
+            out.append(result)
+            if result.as_numpy("finish_reason")[0]:
+                return out
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
 
 
 def platform_env(data_dir: Path) -> dict[str, str]:
