@@ -58,11 +58,16 @@ def start_replica(settings: Settings, spec: ReplicaSpec, extra_env: dict[str, st
         queries.upsert_replica(s, spec.replica_id, state="starting", pid=0, **common)
     env = {"FLEET_REPLICA_ID": spec.replica_id, "FLEET_MODEL": spec.model, "FLEET_VERSION": spec.version,
            "FLEET_REGION": settings.region, "FLEET_ROUTER_URLS": settings.router_http_url, **(extra_env or {})}
+    info = {"kind": "replica", "replica_id": spec.replica_id, **common}
     started = time.monotonic()
-    proc = start_triton(settings, repository, base, settings.logs_dir / f"{name}.log", env)
+    try:  # recorded at spawn, so `fleet down` stops a replica that is still loading
+        proc = start_triton(settings, repository, base, settings.logs_dir / f"{name}.log", env,
+                            on_spawn=lambda p: processes.record(settings, name, p, info))
+    except Exception:
+        processes.stop(settings, name)
+        raise
     cold_start_s = time.monotonic() - started
-    processes.record(settings, name, proc, {"kind": "replica", "replica_id": spec.replica_id, **common,
-                                           "cold_start_s": round(cold_start_s, 2)})
+    processes.record(settings, name, proc, {**info, "cold_start_s": round(cold_start_s, 2)})
     with session_scope(settings.db_url) as s:
         queries.upsert_replica(s, spec.replica_id, state="serving", pid=proc.pid, **common)
     log.info("replica %s serving on grpc %d after %.1f s", spec.replica_id, grpc, cold_start_s)

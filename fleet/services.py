@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from fleet.processes import port_open, spawn, wait_until
@@ -31,8 +32,12 @@ def triton_ready(http_port: int) -> bool:
 
 
 def start_triton(settings: Settings, repository: Path, base_port: int, log_path: Path,
-                 extra_env: dict[str, str] | None = None, timeout_s: float = 180) -> subprocess.Popen:
-    """One `tritonserver` replica on (http, grpc, metrics) = base_port, +1, +2; waits until ready."""
+                 extra_env: dict[str, str] | None = None, timeout_s: float = 180,
+                 on_spawn: Callable[[subprocess.Popen], None] | None = None) -> subprocess.Popen:
+    """One `tritonserver` replica on (http, grpc, metrics) = base_port, +1, +2; waits until ready.
+
+    `on_spawn` runs right after the process exists (before it is ready), so a supervisor can record it
+    and stop it even if whoever started it goes away during the model load."""
     home = triton_home(settings)
     http, grpc, metrics = replica_ports(base_port)
     env = triton_env(settings)
@@ -42,6 +47,8 @@ def start_triton(settings: Settings, repository: Path, base_port: int, log_path:
            f"--metrics-port={metrics}", "--allow-sagemaker=false", "--allow-vertex-ai=false",
            "--exit-timeout-secs=5", "--log-verbose=0", "--strict-readiness=true"]
     proc = spawn(cmd, log_path, env=env)
+    if on_spawn is not None:
+        on_spawn(proc)
     wait_until(lambda: triton_ready(http), timeout_s, f"tritonserver on {http}", proc, log_path)
     return proc
 
