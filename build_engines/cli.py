@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from typing import Any
@@ -82,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         console.print(f"[bold red]build-engines: interrupted[/bold red] ({exc or 'SIGINT'}); "
                       "the version is registered as failed", highlight=False)
-        return 130
+        # The `failed` row is committed; skip interpreter teardown, which can crash while torch's conversion
+        # threads are mid-flight and would turn the documented exit status 130 into something else.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     if result.plan_text:
         print(result.plan_text)
     console.print(f"[green]{result.message}[/green]" if result.message else "", highlight=False)
