@@ -40,7 +40,10 @@ def register(subparsers) -> None:
 
     auto = subparsers.add_parser("autoscale", help="the live autoscaler")
     auto_sub = auto.add_subparsers(dest="autoscale_command", required=True)
-    run = auto_sub.add_parser("run", help="run the controller loop against the router and an actuator")
+    run = auto_sub.add_parser("run", help="run the controller loop against the router and an actuator",
+                              description="Scales every managed model version: each warm_buffers row and each "
+                                          "routed version (a routed version without a row inherits its model's "
+                                          "settings). The set is re-read every tick.")
     run.add_argument("--actuator", choices=("local", "kubernetes"), default="local")
     run.add_argument("--interval-s", type=float, default=2.0)
     run.add_argument("--duration-s", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
@@ -103,25 +106,27 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
     from fleet.settings import load_settings
 
     settings = load_settings()
-    pools = [p for p in pools_from_registry(settings.db_url, settings.region) if args.model in (None, p.spec.model)]
+
+    def managed() -> list:  # re-read every tick: a rollout's new version is managed at once
+        pools = [p for p in pools_from_registry(settings.db_url, settings.region) if args.model in (None, p.spec.model)]
+        for pool in pools:
+            pool.max_running_per_replica, pool.target_load = args.max_running_per_replica, args.target_load
+        return pools
+    pools = managed()
     if not pools:
-        raise SystemExit("no warm_buffers rows in the registry: nothing to scale (set one per model version)")
-    for pool in pools:
-        pool.max_running_per_replica, pool.target_load = args.max_running_per_replica, args.target_load
+        log.info("no routed model version and no warm_buffers row yet: waiting for one")
     if args.actuator == "local":
         from autoscale.actuators.local import LocalActuator
 
         token = settings.admin_token_file.read_text().strip() if settings.admin_token_file.exists() else None
         actuator = LocalActuator(settings, [args.router_url or settings.router_http_url], admin_token=token)
-        for pool in pools:
-            actuator.adopt(pool.spec)
     else:
         from autoscale.actuators.kubernetes import KubernetesActuator
 
         actuator = KubernetesActuator(args.namespace)
     token = settings.admin_token_file.read_text().strip() if settings.admin_token_file.exists() else None
     controller = Controller(pools, actuator, args.router_url or settings.router_http_url, args.interval_s, admin_token=token,
-                            decisions_path=settings.data_dir / "autoscale" / "decisions.jsonl")
+                            decisions_path=settings.data_dir / "autoscale" / "decisions.jsonl", pools_source=managed)
     if args.once:
         print(json.dumps([d.__dict__ for d in controller.tick()], indent=2))
         return 0

@@ -80,10 +80,13 @@ def aggregate(model: str, replicas: list[ReplicaSignals], pool: dict, slo_ttft_s
 
 
 def parse_fleet(payload: dict, model: str, slo_ttft_s: float,
-                capacity_tokens_per_s: float | None = None) -> Signals:
-    """Parse the router's `/admin/fleet` JSON (replicas[] with soft state; models{} or pools{} queue stats)."""
+                capacity_tokens_per_s: float | None = None, version: str | None = None) -> Signals:
+    """Parse the router's `/admin/fleet` JSON (replicas[] with soft state; models{} or pools{} queue stats).
+    With `version`, only that version's replicas and admission queue count (one pool per model version)."""
     replicas = []
     for raw in payload.get("replicas", []):
+        if version is not None and str(raw.get("version", "")) != version:
+            continue
         state = raw.get("state") or {}
         merged = {**raw, **state} if isinstance(state, dict) else dict(raw)
         replicas.append(ReplicaSignals(
@@ -100,7 +103,7 @@ def parse_fleet(payload: dict, model: str, slo_ttft_s: float,
     if isinstance(pools, dict):  # keyed by model, or by "model:version" (the router's admission queues)
         pool = dict(pools.get(model) or {})
         for key, stats in pools.items():
-            if key.startswith(f"{model}:") and isinstance(stats, dict):
+            if key.startswith(f"{model}:") and isinstance(stats, dict) and version in (None, key[len(model) + 1:]):
                 pool["waiting"] = pool.get("waiting", 0) + stats.get("waiting", 0)
                 pool["queue_wait_ms_p95"] = max(pool.get("queue_wait_ms_p95", 0.0), stats.get("queue_wait_ms_p95", 0.0))
     else:
@@ -109,12 +112,12 @@ def parse_fleet(payload: dict, model: str, slo_ttft_s: float,
 
 
 def read_signals(router_url: str, model: str, slo_ttft_s: float, capacity_tokens_per_s: float | None = None,
-                 admin_token: str | None = None, timeout_s: float = 2.0) -> Signals:
-    """GET {router}/admin/fleet and aggregate it for one model pool."""
+                 admin_token: str | None = None, timeout_s: float = 2.0, version: str | None = None) -> Signals:
+    """GET {router}/admin/fleet and aggregate it for one model pool (one version of it when given)."""
     headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
     resp = httpx.get(f"{router_url.rstrip('/')}/admin/fleet", headers=headers, timeout=timeout_s)
     resp.raise_for_status()
-    return parse_fleet(resp.json(), model, slo_ttft_s, capacity_tokens_per_s)
+    return parse_fleet(resp.json(), model, slo_ttft_s, capacity_tokens_per_s, version)
 
 
 def replica_inflight(router_url: str, replica_id: str, admin_token: str | None = None) -> int | None:

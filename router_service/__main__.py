@@ -29,6 +29,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--kafka", default=s.kafka_bootstrap, help="Kafka bootstrap servers for usage events")
     ap.add_argument("--max-waiting", type=int, default=int(os.environ.get("FLEET_ROUTER_MAX_WAITING", 256)),
                     help="admission queue bound per model version (FLEET_ROUTER_MAX_WAITING)")
+    ap.add_argument("--start-wait-s", type=float, default=float(os.environ.get("FLEET_ROUTER_START_WAIT_S", 600)),
+                    help="requests for a version whose replicas are starting wait for them (up to their deadline); "
+                         "a replica row still `starting` after this many seconds no longer counts "
+                         "(FLEET_ROUTER_START_WAIT_S)")
     ap.add_argument("--no-usage", action="store_true", help="do not meter usage (benchmarks only)")
     return ap.parse_args()
 
@@ -54,7 +58,8 @@ async def serve(args: argparse.Namespace) -> None:
     producer = None if args.no_usage else UsageProducer(args.kafka, settings.spool_dir / "router", settings.usage_topic)
     if producer is not None:
         producer.start()
-    router = Router(registry, producer, region=settings.region, max_waiting=args.max_waiting)
+    router = Router(registry, producer, region=settings.region, max_waiting=args.max_waiting,
+                    start_wait_s=args.start_wait_s)
     await asyncio.to_thread(router.gateway.warm_start, settings.usage_db_path)
     grpc_server = await start_grpc_server(router, args.host, args.grpc_port)
     config = uvicorn.Config(create_app(router, admin_tokens()), host=args.host, port=args.http_port,

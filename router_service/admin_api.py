@@ -1,5 +1,9 @@
 """Admin HTTP API: the one validated write path for rollouts and replica states, each change audited.
 
+Rollout answers (and `GET /admin/fleet`'s `rollouts`) say what traffic each version gets now: a version
+without ready replicas keeps its share pending ("v2: 0 of 1 replicas ready, 20 % pending") while the
+autoscaler starts its replicas, and the versions that serve carry it meanwhile.
+
 Two roles: `operator` (may write) and `viewer` (read only). Tokens come from the data dir
 (`admin-token` for the operator, `viewer-token` for viewers) or FLEET_ADMIN_TOKEN / FLEET_VIEWER_TOKEN.
 """
@@ -75,7 +79,27 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
                     for r in snap.replicas]
         queues = {name: {"waiting": len(q.waiting), "retry_after_ms": q.retry_after_ms()}
                   for name, q in router.queues.items()}
-        return {"registry_version": snap.version, "routes": snap.routes, "replicas": replicas, "queues": queues}
+        rollouts = {model: rollout_status(model) for model in snap.routes}
+        return {"registry_version": snap.version, "routes": snap.routes, "replicas": replicas, "queues": queues,
+                "rollouts": rollouts}
+
+    def rollout_status(model: str) -> dict:
+        """The configured split, what each version gets now, and why (in the router's own region)."""
+        ready = router.readiness(model, router.region)
+        return {"region": router.region, "effective": {r.version: r.effective for r in ready if r.effective},
+                "versions": [{"version": r.version, "percent": r.percent, "ready": r.ready, "needed": r.needed,
+                              "effective_percent": r.effective, "pending_percent": round(r.pending, 3),
+                              "note": r.note()} for r in ready if r.percent or r.effective],
+                "notes": [r.note() for r in ready if r.percent or r.effective]}
+
+    @api.get("/models/{name}/rollout")
+    async def rollout_view(name: str, request: Request):
+        role_of(request, "viewer")
+        snap = router.registry.snapshot
+        if name not in snap.models:
+            raise RouterError("not_found", f"model {name!r} is not registered; known models: "
+                                           f"{', '.join(sorted(snap.models)) or 'none'}")
+        return {"model": name, "routes": snap.routes.get(name, {}), "rollout": rollout_status(name)}
 
     @api.post("/models/{name}/rollout")
     async def rollout(name: str, body: RolloutBody, request: Request):
@@ -87,7 +111,7 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
         else:
             raise RouterError("invalid_argument", "send {version, percent} or {split: {version: percent}}")
         await write(lambda s: queries.set_routes(s, name, split, actor=actor))
-        return {"model": name, "routes": split}
+        return {"model": name, "routes": split, "rollout": rollout_status(name)}
 
     @api.post("/models/{name}/promote")
     async def promote(name: str, body: VersionBody, request: Request):
@@ -97,13 +121,13 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
             queries.set_routes(s, name, {body.version: 100}, actor=actor)
             queries.set_model_status(s, name, body.version, "serving")
         await write(do)
-        return {"model": name, "routes": {body.version: 100}}
+        return {"model": name, "routes": {body.version: 100}, "rollout": rollout_status(name)}
 
     @api.post("/models/{name}/rollback")
     async def rollback(name: str, request: Request):
         actor = role_of(request, "operator")
         routes = await write(lambda s: queries.rollback_routes(s, name, actor=actor))
-        return {"model": name, "routes": routes}
+        return {"model": name, "routes": routes, "rollout": rollout_status(name)}
 
     @api.put("/warm-buffers/{model}/{version}")
     async def warm_buffer(model: str, version: str, body: WarmBufferBody, request: Request):

@@ -26,7 +26,8 @@ from router_service.registry_cache import CallerInfo, ModelInfo, RegistryCache, 
 from router_service.replica_choice import ChoiceParams, Placement, ReplicaChooser
 from router_service.replica_state import ReplicaStateTable
 from router_service.request import TIERS, Finished, GenerateRequest, TokenDelta
-from router_service.rollout import pick_version
+from router_service.replica_set import ReplicaSet
+from router_service.rollout import VersionReadiness, pick_version
 from router_service.tokenization import TokenizerCache
 from router_service.upstream import Preempted, ReplicaClient, ReplicaFailed
 
@@ -58,14 +59,16 @@ class Prepared:
 
 class Router:
     def __init__(self, registry: RegistryCache, usage_producer=None, region: str = "local",
-                 choice: ChoiceParams | None = None, gateway: Gateway | None = None, max_waiting: int = 256) -> None:
+                 choice: ChoiceParams | None = None, gateway: Gateway | None = None, max_waiting: int = 256,
+                 start_wait_s: float = 600.0) -> None:
         self.registry = registry
         self.usage = usage_producer
         self.region = region
         self.tokenizers = TokenizerCache()
         self.clients: dict[str, ReplicaClient] = {}
-        self.cordoned: dict[str, float] = {}  # replica -> monotonic time the router cordoned it
         self.replica_state = ReplicaStateTable()
+        self.replicas = ReplicaSet(registry, self.replica_state, start_wait_s)
+        self.cordoned = self.replicas.cordoned  # replica -> monotonic time the router cordoned it
         self.chooser = ReplicaChooser(self.replica_state, choice)
         self.gateway = gateway or Gateway()
         self.queues: dict[str, AdmissionQueue] = {}
@@ -104,10 +107,10 @@ class Router:
                                                f"known versions: {', '.join(sorted(versions))}")
             version = req.version
         else:
-            split = snap.routes.get(req.model)
-            if not split:
+            if not snap.routes.get(req.model):
                 raise RouterError("unavailable", f"model {req.model!r} has no route; an operator must set one")
-            version = pick_version(split, req.session or caller.name)
+            shares = {r.version: r.effective for r in self.readiness(req.model, home_region(caller.region, self.region))}
+            version = pick_version(shares, req.session or caller.name)
         if req.adapter:
             adapter = snap.adapters.get(req.adapter)
             if adapter is None or adapter.base_model != req.model:
@@ -166,18 +169,11 @@ class Router:
 
     # --- admission and replicas ------------------------------------------------------------------------
     def serving_replicas(self, model: ModelInfo, exclude: set[str]) -> list[ReplicaInfo]:
-        out = []
-        for r in self.registry.snapshot.replicas:
-            if r.model != model.name or r.version != model.version or r.state != "serving" or r.replica_id in exclude:
-                continue
-            cordoned_at = self.cordoned.get(r.replica_id)
-            if cordoned_at is not None:
-                if self.replica_state.full_snapshots.get(r.replica_id, 0.0) <= cordoned_at + 1.0:
-                    continue
-                log.info("replica %s reports again after a restart: uncordoned", r.replica_id)
-                del self.cordoned[r.replica_id]
-            out.append(r)
-        return out
+        return self.replicas.serving(model, exclude)
+
+    def readiness(self, model: str, region: str) -> list[VersionReadiness]:
+        """Each version's ready replicas and effective share of the split in `region`."""
+        return self.replicas.readiness(model, region)
 
     def queue_for(self, model: ModelInfo) -> AdmissionQueue:
         key = f"{model.name}:{model.version}"
@@ -188,15 +184,16 @@ class Router:
 
     async def admit(self, p: Prepared, exclude: set[str], ids: list[int], max_tokens: int) -> Placement:
         """Reserve a slot on the best replica for prompt `ids`, waiting in the model version's admission
-        queue if none has room now."""
+        queue if none has room now or if its replicas are still starting (up to the request's deadline)."""
         req = p.req
-        if not any(candidate_tiers(self.serving_replicas(p.model, exclude), p.home, req.tier)):
-            raise RouterError("unavailable", f"no serving replica for {p.model.name} version {p.model.version} "
-                                             f"in region {p.home!r}", retry_after_ms=1000)
-
+        if self.replicas.must_wait(p.model, p.home, req.tier, exclude):
+            log.info("request %s waits for a starting replica of %s version %s", req.request_id, p.model.name,
+                     p.model.version)
         key = f"{p.model.name}:{p.model.version}"
 
         def try_place() -> Placement | None:
+            if self.replicas.must_wait(p.model, p.home, req.tier, exclude):  # raises once none starts
+                return None
             if req.tier == "batch" and not self.batch_yield.batch_may_start(key):
                 return None
             groups = candidate_tiers(self.serving_replicas(p.model, exclude), p.home, req.tier)
@@ -238,22 +235,7 @@ class Router:
         return client
 
     def cordon(self, replica_id: str, why: str) -> None:
-        """Stop routing to a replica that failed; recorded in the registry (and its audit log) for the fleet."""
-        if replica_id in self.cordoned:
-            return
-        self.cordoned[replica_id] = time.monotonic()
-        metrics.CORDONS.labels(replica_id).inc()
-        log.warning("cordoned replica %s: %s", replica_id, why)
-        asyncio.get_running_loop().run_in_executor(None, self._record_cordon, replica_id)
-
-    def _record_cordon(self, replica_id: str) -> None:
-        from registry import queries
-        from registry.db import session_scope
-        try:
-            with session_scope(self.registry.db_url) as s:
-                queries.set_replica_state(s, replica_id, "cordoned", actor="router")
-        except Exception as exc:
-            log.warning("could not record cordon of %s in the registry: %s", replica_id, exc)
+        self.replicas.cordon(replica_id, why)
 
     def cancel(self, request_id: str, caller: CallerInfo) -> None:
         if not self.requests.cancel(request_id, caller.name):

@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 from registry import queries
 from registry.db import session_scope
+from registry.warm_buffers import PoolSettings, managed_pools
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class ReplicaInfo:
     grpc_url: str
     http_url: str
     state: str
+    started_at: float = 0.0  # epoch seconds the row was written as starting (bounds how long it counts as starting)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class Snapshot:
     callers_by_hash: dict[str, CallerInfo] = field(default_factory=dict)
     replicas: list[ReplicaInfo] = field(default_factory=list)
     adapters: dict[str, AdapterInfo] = field(default_factory=dict)
+    pools: dict[tuple[str, str], PoolSettings] = field(default_factory=dict)  # (model, version) -> scaling settings
 
 
 def load_snapshot(db_url: str) -> Snapshot:
@@ -75,10 +79,17 @@ def load_snapshot(db_url: str) -> Snapshot:
             snap.callers_by_hash[c.api_key_hash] = CallerInfo(
                 c.name, c.team, c.max_tier, c.token_quota_per_day, tuple(c.allowed_models or ()),
                 tuple(c.allowed_adapters or ()), c.region)
-        snap.replicas = [ReplicaInfo(r.replica_id, r.model, r.version, r.region, r.grpc_url, r.http_url, r.state)
-                         for r in queries.list_replicas(s)]
+        snap.replicas = [ReplicaInfo(r.replica_id, r.model, r.version, r.region, r.grpc_url, r.http_url, r.state,
+                                     _epoch(r.started_at)) for r in queries.list_replicas(s)]
         snap.adapters = {a.name: AdapterInfo(a.name, a.base_model, a.owner_team) for a in queries.list_adapters(s)}
+        snap.pools = {(p.model, p.version): p for p in managed_pools(s)}
     return snap
+
+
+def _epoch(at: datetime | None) -> float:
+    if at is None:
+        return 0.0
+    return (at if at.tzinfo else at.replace(tzinfo=timezone.utc)).timestamp()  # SQLite drops the zone
 
 
 class RegistryCache:

@@ -65,7 +65,7 @@ def test_tier_adapter_and_quota_rights(http):
     assert r.status_code == 429 and "token quota" in r.json()["error"]["message"] and int(r.headers["retry-after"]) > 0
     # quota checks pass for dev, then no replica is serving: 503 with a retry-after, and nothing stays reserved
     r = client.post("/v1/completions", headers=keys["dev"], json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})
-    assert r.status_code == 503 and "no serving replica" in r.json()["error"]["message"]
+    assert r.status_code == 503 and "nothing serves or starts m version 1" in r.json()["error"]["message"]
     r = client.post("/v1/requests/abc/cancel", headers=keys["dev"])
     assert r.status_code == 404
 
