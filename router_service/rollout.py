@@ -2,8 +2,8 @@
 
 A rollout never sends traffic to a version with nothing serving: each routed version keeps
 `percent x min(1, ready / needed)` of the traffic (`needed`: its warm buffer's `min_replicas`, at least 1,
-own or inherited from its model); the pending rest goes to the versions that serve, in proportion to
-what they already carry. When no routed version of the split serves, the pending share goes to another
+own or inherited from its model); the pending rest goes to the fully ready versions (else the partly
+ready ones), in proportion to what they already carry. When no routed version of the split serves, the pending share goes to another
 routable version of the model that serves (promote to a version still starting); when nothing serves at
 all, the configured split stands and requests wait for starting replicas or fail fast (see `core.admit`).
 """
@@ -47,7 +47,8 @@ def shift_by_readiness(split: dict[str, int], ready: dict[str, tuple[int, int]])
     own = {v: split.get(v, 0) * min(1.0, r / max(1, n)) for v, (r, n) in ready.items()}
     pending = sum(p for v, p in split.items() if v in ready) - sum(own.values())
     if pending > 0:
-        takers = {v: e for v, e in own.items() if e > 0}
+        full = {v: e for v, e in own.items() if e > 0 and ready[v][0] >= max(1, ready[v][1])}
+        takers = full or {v: e for v, e in own.items() if e > 0}
         if not takers:  # nothing in the split serves: another serving version takes it (equal shares)
             takers = {v: 1.0 for v, (r, _) in ready.items() if r > 0 and v not in split}
         if takers:

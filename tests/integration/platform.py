@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from fleet.processes import port_open
+from fleet.processes import port_open, wait_until
 from fleet.settings import REPO_ROOT
 
 
@@ -52,6 +52,9 @@ class Platform:
         headers = {"authorization": f"Bearer {key if key is not None else self.api_key}"}
         return stream_completion(self.grpc_url, text, model, max_tokens, headers, **params)
 
+    def wait_serving(self, timeout_s: float = 60) -> dict:
+        return wait_replicas_serving(self.http_url, self.admin_token, None, timeout_s)
+
     def fleet(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "fleet.cli", *args], env=self.env, cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=timeout)
@@ -81,6 +84,25 @@ def stream_completion(grpc_url: str, text: str, model: str, max_tokens: int = 24
     finally:
         client.stop_stream(cancel_requests=True)
         client.close()
+
+
+def router_fleet(http_url: str, admin_token: str) -> dict:
+    """The router's own view (`GET /admin/fleet`): replicas as in its registry snapshot, with their reports."""
+    import httpx
+    return httpx.get(f"{http_url}/admin/fleet", headers={"authorization": f"Bearer {admin_token}"}, timeout=5).json()
+
+
+def wait_replicas_serving(http_url: str, admin_token: str, replica_ids: list[str] | None = None,
+                          timeout_s: float = 60) -> dict:
+    """Until the router would route to the replicas: `serving` in its registry snapshot (not cordoned) and
+    reporting state; `None` = at least one replica. Tests wait on this, never on a sleep or on the first
+    state report (a replica reports before the router's registry reload makes it serving)."""
+    def ready() -> dict | None:
+        fleet = router_fleet(http_url, admin_token)
+        seen = {r["replica_id"]: r for r in fleet["replicas"] if r["state"] == "serving" and r.get("reporting")}
+        wanted = replica_ids if replica_ids is not None else list(seen)[:1] or ["any replica"]
+        return fleet if all(rid in seen for rid in wanted) else None
+    return wait_until(ready, timeout_s, f"replicas {replica_ids or 'any'} serving in the router's snapshot")
 
 
 def platform_env(data_dir: Path) -> dict[str, str]:

@@ -3,11 +3,10 @@ then headless Chromium signs in and renders every page; no Streamlit exception a
 The screenshots go to docs/img/admin-<page>.png (docs/admin_ui.md shows them)."""
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
+from fleet.processes import wait_until
 from fleet.settings import REPO_ROOT
 from registry import queries
 from registry.db import session_scope
@@ -52,7 +51,8 @@ def test_every_admin_page_renders_with_real_data(platform):
     p = platform
     rows_before = _usage_rows(p)
     search_key = _second_team_key(p)
-    time.sleep(1.5)
+    wait_until(lambda: httpx.get(f"{p.http_url}/v1/models", headers={"authorization": f"Bearer {search_key}"},
+                                 timeout=5).status_code == 200, 30, "the router knows the new caller's key")
     sent = 0
     for i, prompt in enumerate(PROMPTS):
         for key in (p.api_key, search_key):
@@ -62,10 +62,7 @@ def test_every_admin_page_renders_with_real_data(platform):
     resp = httpx.post(f"{p.http_url}/admin/models/{MODEL}/rollout", json={"version": "1", "percent": 100},
                       headers={"authorization": f"Bearer {p.admin_token}"}, timeout=30)
     assert resp.status_code == 200, resp.text
-    deadline = time.monotonic() + 90
-    while _usage_rows(p) < rows_before + sent and time.monotonic() < deadline:
-        time.sleep(1)
-    assert _usage_rows(p) >= rows_before + sent, "usage events did not reach the store"
+    wait_until(lambda: _usage_rows(p) >= rows_before + sent, 120, "every usage event in the store", interval_s=1)
 
     ui = f"http://127.0.0.1:{p.env['FLEET_ADMIN_UI_PORT']}"
     viewer_token = (p.data_dir / "viewer-token").read_text().strip()

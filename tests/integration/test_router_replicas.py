@@ -7,12 +7,12 @@ import asyncio
 import json
 import os
 import signal
-import time
 
 import httpx
 import pytest
 import tritonclient.grpc.aio as grpcaio
 
+from fleet.processes import wait_until
 from tests.integration.router_client import CHATML, p95, stream_once
 from tests.integration.router_stack import RouterStack
 
@@ -47,7 +47,7 @@ async def _one(stack, prompt, max_tokens=16, **params):
 
 
 def test_state_reports_and_prefix_affinity(stack):
-    fleet = stack.fleet()
+    fleet = stack.wait_serving(stack.replica_ids)  # serving in the router's snapshot, not only reporting
     assert {r["replica_id"] for r in fleet["replicas"] if r["reporting"]} == set(stack.replica_ids)
     assert all(r["kv_blocks_total"] > 0 and r["block_size"] == 16 for r in fleet["replicas"])
     cached = []
@@ -78,8 +78,7 @@ def test_cancel_by_id_ends_the_stream_and_frees_the_slot(stack):
     assert chunks[-1]["choices"][0]["finish_reason"] == "cancelled"
     assert chunks[-1]["usage"]["completion_tokens"] < 300
     assert httpx.post(f"{stack.http_url}/v1/requests/nope/cancel", headers=headers).status_code == 404
-    time.sleep(0.2)
-    assert all(r["inflight"] == 0 for r in stack.fleet()["replicas"])
+    wait_until(lambda: all(r["inflight"] == 0 for r in stack.fleet()["replicas"]), 30, "the cancelled slot is freed")
 
 
 def test_caller_disconnect_and_stream_cancel_cancel_upstream(stack):
@@ -98,10 +97,7 @@ def test_caller_disconnect_and_stream_cancel_cancel_upstream(stack):
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(_one(stack, CHATML.format(q="Tell me another long story."), 300), 1.5)
     _run(grpc_cancel())
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(r["inflight"] for r in stack.fleet()["replicas"]):
-        time.sleep(0.1)
-    assert all(r["inflight"] == 0 for r in stack.fleet()["replicas"])
+    wait_until(lambda: all(r["inflight"] == 0 for r in stack.fleet()["replicas"]), 30, "both upstreams cancelled")
     assert 'fleet_router_cancels_total{how="disconnect",model="smollm2-135m"} 2.0' in stack.metrics()
 
 
@@ -114,13 +110,21 @@ def test_overload_sheds_batch_and_keeps_interactive_ttft(stack):
             ttfts.append(out.ttft_s)
         return ttfts
 
+    async def batch_saturates() -> None:
+        """Until the batch burst holds its slots and queues in the router (instead of a fixed sleep)."""
+        while True:
+            fleet = await asyncio.to_thread(stack.fleet)
+            if sum(q["waiting"] for q in fleet["queues"].values()) > 0:
+                return
+            await asyncio.sleep(0.1)
+
     async def main():
         await interactive_ttfts(2)  # warm up
         unloaded = await interactive_ttfts(10)
         client = grpcaio.InferenceServerClient(stack.grpc_url)
         batch = [asyncio.create_task(stream_once(client, MODEL, CHATML.format(q=f"Write a poem about the number {i}."),
                                                  48, stack.api_key, tier="batch")) for i in range(30)]
-        await asyncio.sleep(1.0)
+        await asyncio.wait_for(batch_saturates(), 60)
         loaded = await interactive_ttfts(10)
         results = await asyncio.gather(*batch)
         await client.close()

@@ -4,11 +4,11 @@ gets clear errors while the platform keeps serving, and `fleet down` leaving no 
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from fleet.processes import wait_until
 from tests.integration.platform import Platform
 
 pytestmark = pytest.mark.integration
@@ -37,14 +37,12 @@ def test_openai_client_streams_paris_and_usage_lands_in_duckdb(platform):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "Paris" in text and len(chunks) > 3
     request_id = chunks[0].id
-    deadline = time.monotonic() + 5
-    row = None
-    while time.monotonic() < deadline and row is None:
+
+    def usage_row():
         with connect(platform.data_dir / "usage.duckdb", read_only=True) as con:
-            row = con.execute("SELECT prompt_tokens, completion_tokens, caller, finish_reason FROM usage_events "
-                              "WHERE request_id = ?", [request_id]).fetchone()
-        time.sleep(0.2)
-    assert row is not None, "usage row did not reach DuckDB within 5 s"
+            return con.execute("SELECT prompt_tokens, completion_tokens, caller, finish_reason FROM usage_events "
+                               "WHERE request_id = ?", [request_id]).fetchone()
+    row = wait_until(usage_row, 120, "the usage row in DuckDB (router -> Kafka -> loader)")
     assert row[0] > 10 and row[1] > 0 and row[2] == "dev"
 
 
