@@ -105,7 +105,7 @@ def test_rollout_to_a_fresh_version_fails_no_request(tmp_path):
             assert status["effective"] == {"1": 80.0, "2": 20.0}, status
             to_v2 = {s for s in SESSIONS if pick_version({"1": 80, "2": 20}, s) == "2"}
             assert to_v2, "some sessions land on v2"
-            wait_until(lambda: sum(1 for s, code, v in traffic.results[ready_at:] if v == "2") >= 4, 300,
+            wait_until(lambda: sum(1 for s, code, v in traffic.results[ready_at:] if v == "2") >= 8, 300,
                        "v2 serving its sessions")
             rolled = _admin(stack, "POST", f"/models/{DEFAULT_MODEL}/rollback")
             assert rolled["routes"] == {"1": 100}
@@ -121,7 +121,8 @@ def test_rollout_to_a_fresh_version_fails_no_request(tmp_path):
         # once v2 served, each session went where the split sends it (the share moves only when ready)
         after_ready = traffic.results[ready_at:back_at]
         first_v2 = next(i for i, r in enumerate(after_ready) if r[2] == "2")
-        settled = [r for r in after_ready[first_v2 + len(traffic.threads):]]
+        settled = after_ready[first_v2 + len(traffic.threads):]
+        assert {v for _, _, v in settled} == {"1", "2"}
         assert all((v == "2") == (s in to_v2) for s, _, v in settled), Counter((s in to_v2, v) for s, _, v in settled)
         after_drain = traffic.results[-5:]
         assert {v for _, _, v in after_drain} == {"1"}
