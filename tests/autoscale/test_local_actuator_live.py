@@ -13,8 +13,8 @@ import pytest
 
 from autoscale.actuators import PoolSpec
 from autoscale.actuators.local import LocalActuator
-from fleet import processes
-from fleet.processes import wait_until
+from common import processes
+from common.processes import wait_until
 from fleet.seed import DEFAULT_MODEL, DEFAULT_VERSION
 from registry.db import session_scope
 from registry.queries import list_replicas

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.processes import StartupFailed, pid_alive, wait_until
+from common.processes import StartupFailed, pid_alive, wait_until
 from tests.integration.platform import Platform, platform_env
 
 

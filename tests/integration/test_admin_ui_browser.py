@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from fleet.processes import wait_until
-from fleet.settings import REPO_ROOT
+from common.processes import wait_until
+from common.settings import REPO_ROOT
 from registry import queries
 from registry.db import session_scope
 from tests.admin_ui.browser import capture_admin_ui

@@ -13,10 +13,10 @@ from collections import Counter
 import httpx
 import pytest
 
-from fleet import processes
-from fleet.processes import wait_until
+from common import processes
+from common.processes import wait_until
 from fleet.seed import DEFAULT_MODEL
-from fleet.settings import REPO_ROOT
+from common.settings import REPO_ROOT
 from registry.db import session_scope
 from registry.queries import get_model_version, list_replicas
 from router_service.rollout import pick_version

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import tritonclient.grpc.aio as grpcaio
 
-from fleet.processes import wait_until
+from common.processes import wait_until
 from tests.integration.router_client import CHATML, p95, stream_once
 from tests.integration.router_stack import RouterStack
 

@@ -8,7 +8,7 @@ import re
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from fleet.processes import wait_until
+from common.processes import wait_until
 from tests.integration.platform import Platform
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from fleet.settings import Settings
+from common.settings import Settings
 
 T = TypeVar("T")
 
