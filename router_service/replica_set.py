@@ -15,12 +15,13 @@ import time
 from router_service import metrics
 from router_service.errors import RouterError
 from router_service.regions import candidate_tiers
-from router_service.registry_cache import ModelInfo, RegistryCache, ReplicaInfo
+from router_service.registry_cache import ModelInfo, RegistryCache, ReplicaInfo, Snapshot
 from router_service.replica_state import ReplicaStateTable
 from router_service.rollout import VersionReadiness, rollout_readiness
 
 log = logging.getLogger(__name__)
 STARTING_STATES = ("starting", "loading")
+READINESS_TTL_S = 0.2
 
 
 class ReplicaSet:
@@ -29,6 +30,7 @@ class ReplicaSet:
         self.states = states
         self.start_wait_s = start_wait_s  # a row `starting` for longer than this is presumed dead
         self.cordoned: dict[str, float] = {}  # replica -> monotonic time the router cordoned it
+        self._readiness: dict[tuple[str, str], tuple[Snapshot, float, list[VersionReadiness]]] = {}
 
     def usable(self, r: ReplicaInfo) -> bool:
         if r.state != "serving":
@@ -62,13 +64,22 @@ class ReplicaSet:
                                          f"{home!r}: no replica is serving and none is starting", retry_after_ms=1000)
 
     def readiness(self, model: str, region: str) -> list[VersionReadiness]:
-        return rollout_readiness(self.registry.snapshot, model, region, self.usable)
+        """Per version: ready replicas and effective share; recomputed on every registry reload and at
+        least every READINESS_TTL_S (cordons made by this router), not on every request."""
+        snap, now = self.registry.snapshot, time.monotonic()
+        cached = self._readiness.get((model, region))
+        if cached is not None and cached[0] is snap and now - cached[1] < READINESS_TTL_S:
+            return cached[2]
+        result = rollout_readiness(snap, model, region, self.usable)
+        self._readiness[(model, region)] = (snap, now, result)
+        return result
 
     def cordon(self, replica_id: str, why: str) -> None:
         """Stop routing to a replica that failed; recorded in the registry (and its audit log) for the fleet."""
         if replica_id in self.cordoned:
             return
         self.cordoned[replica_id] = time.monotonic()
+        self._readiness.clear()
         metrics.CORDONS.labels(replica_id).inc()
         log.warning("cordoned replica %s: %s", replica_id, why)
         asyncio.get_running_loop().run_in_executor(None, self._record_cordon, replica_id)

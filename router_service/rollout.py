@@ -33,7 +33,8 @@ class VersionReadiness:
 
     def note(self) -> str:
         """e.g. "v2: 0 of 1 replicas ready, 20 % pending" (what the admin API and UI show)."""
-        text = f"v{self.version}: {self.ready} of {self.needed} replicas ready"
+        text = f"v{self.version}: " + (f"{self.ready} of {self.needed} replicas ready" if self.ready <= self.needed
+                                         else f"{self.ready} replicas ready")
         if self.pending >= 0.05:
             return f"{text}, {self.pending:.0f} % pending"
         if self.effective > self.percent:
