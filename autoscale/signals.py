@@ -120,15 +120,29 @@ def read_signals(router_url: str, model: str, slo_ttft_s: float, capacity_tokens
     return parse_fleet(resp.json(), model, slo_ttft_s, capacity_tokens_per_s, version)
 
 
-def replica_inflight(router_url: str, replica_id: str, admin_token: str | None = None) -> int | None:
-    """In-flight streams the router has open to one replica; None if the router does not say."""
+def _fleet_rows(router_url: str, admin_token: str | None = None) -> dict[str, dict] | None:
+    """replica id -> the router's `/admin/fleet` row; None if the router cannot be read."""
     headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
     try:
         payload = httpx.get(f"{router_url.rstrip('/')}/admin/fleet", headers=headers, timeout=2.0).json()
     except (httpx.HTTPError, ValueError):
         return None
-    for raw in payload.get("replicas", []):
-        if str(raw.get("replica_id")) == replica_id:
-            value = raw.get("inflight", (raw.get("state") or {}).get("inflight") if isinstance(raw.get("state"), dict) else None)
-            return int(value) if value is not None else None
-    return None
+    return {str(raw.get("replica_id")): raw for raw in payload.get("replicas", [])}
+
+
+def replica_inflight(router_url: str, replica_id: str, admin_token: str | None = None) -> int | None:
+    """In-flight streams the router has open to one replica; None if the router does not say."""
+    raw = (_fleet_rows(router_url, admin_token) or {}).get(replica_id)
+    if raw is None:
+        return None
+    value = raw.get("inflight", (raw.get("state") or {}).get("inflight") if isinstance(raw.get("state"), dict) else None)
+    return int(value) if value is not None else None
+
+
+def router_admits(router_url: str, replica_id: str, admin_token: str | None = None) -> bool | None:
+    """Whether the router still has the replica `serving` in its registry snapshot (so it may admit new
+    streams there); None if the router cannot be read."""
+    rows = _fleet_rows(router_url, admin_token)
+    if rows is None:
+        return None
+    return replica_id in rows and rows[replica_id].get("state") == "serving"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autoscale.actuators import PoolSpec, ReplicaCounts
-from autoscale.signals import replica_inflight
+from autoscale.signals import replica_inflight, router_admits
 from autoscale.actuators.replicas import ReplicaSpec, replica_base_port, start_replica, stop_replica
 from common.settings import Settings
 from registry.db import session_scope
@@ -180,7 +180,11 @@ class LocalActuator:
         t0 = time.monotonic()
         deadline = t0 + self.drain_timeout_s
         replica.inflight_at_drain = self._inflight(replica)
-        time.sleep(1.5)  # routers poll the registry about every second
+        # until every router has reloaded the registry and stopped admitting there (not a fixed sleep: a
+        # loaded router may take longer, and a stream admitted after the in-flight check would be cut)
+        while time.monotonic() < deadline and any(router_admits(url, replica.replica_id, self.admin_token)
+                                                  for url in self.router_urls):
+            time.sleep(0.25)
         while time.monotonic() < deadline:
             if self._inflight(replica) == 0:
                 break
