@@ -2,10 +2,10 @@
 
 A rollout never sends traffic to a version with nothing serving: each routed version keeps
 `percent x min(1, ready / needed)` of the traffic (`needed`: its warm buffer's `min_replicas`, at least 1,
-own or inherited from its model); the pending rest goes to the fully ready versions (else the partly
-ready ones), in proportion to what they already carry. When no routed version of the split serves, the pending share goes to another
-routable version of the model that serves (promote to a version still starting); when nothing serves at
-all, the configured split stands and requests wait for starting replicas or fail fast (see `core.admit`).
+own or inherited from its model). The pending rest goes to the split's fully ready versions in proportion
+to their shares; else to a fully ready routable version outside the split (the one a promote replaced);
+else to partly ready ones; else to anything that serves. When nothing serves at all, the configured split
+stands and requests wait for starting replicas or fail fast (see `replica_set.ReplicaSet.must_wait`).
 """
 from __future__ import annotations
 
@@ -48,10 +48,13 @@ def shift_by_readiness(split: dict[str, int], ready: dict[str, tuple[int, int]])
     own = {v: split.get(v, 0) * min(1.0, r / max(1, n)) for v, (r, n) in ready.items()}
     pending = sum(p for v, p in split.items() if v in ready) - sum(own.values())
     if pending > 0:
-        full = {v: e for v, e in own.items() if e > 0 and ready[v][0] >= max(1, ready[v][1])}
-        takers = full or {v: e for v, e in own.items() if e > 0}
-        if not takers:  # nothing in the split serves: another serving version takes it (equal shares)
-            takers = {v: 1.0 for v, (r, _) in ready.items() if r > 0 and v not in split}
+        def full(v: str) -> bool:
+            return ready[v][0] >= max(1, ready[v][1])
+        outside = [v for v, (r, _) in ready.items() if r > 0 and v not in split]
+        # first the split's fully ready versions, then fully ready ones outside it (the version a promote
+        # replaced), then partly ready ones, then anything that serves
+        takers = ({v: e for v, e in own.items() if e > 0 and full(v)} or {v: 1.0 for v in outside if full(v)}
+                  or {v: e for v, e in own.items() if e > 0} or {v: 1.0 for v in outside})
         if takers:
             total = sum(takers.values())
             own = {v: e + pending * takers.get(v, 0.0) / total for v, e in own.items()}

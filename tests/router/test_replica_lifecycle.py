@@ -165,5 +165,7 @@ def test_partial_readiness_shifts_in_proportion():
     ready = {"1": (2, 2), "2": (1, 2)}
     got = {r.version: r.effective for r in shift_by_readiness({"1": 60, "2": 40}, ready)}
     assert got == {"1": 80.0, "2": 20.0}
+    promoted = {r.version: r.effective for r in shift_by_readiness({"2": 100}, {"1": (1, 1), "2": (1, 2)})}
+    assert promoted == {"1": 50.0, "2": 50.0}  # a promote moves traffic only as fast as v2's replicas get ready
     nothing = {r.version: r.effective for r in shift_by_readiness({"1": 60, "2": 40}, {"1": (0, 1), "2": (0, 1)})}
     assert nothing == {"1": 60.0, "2": 40.0}  # nothing serves: the configured split stands (requests wait or fail)
