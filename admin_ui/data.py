@@ -132,31 +132,6 @@ def fleet_rollup(frame: pd.DataFrame) -> pd.DataFrame:
     return out[cols]
 
 
-def validate_split(split: dict[str, int], known_versions: Iterable[str]) -> list[str]:
-    """Problems with a full percent split (empty = valid): unknown version, percent out of 0..100, sum != 100."""
-    known = set(known_versions)
-    problems = []
-    for version, percent in split.items():
-        if version not in known:
-            problems.append(f"unknown version {version!r}; known versions: {sorted(known)}")
-        if not 0 <= percent <= 100:
-            problems.append(f"percent for version {version!r} is {percent}; allowed 0..100")
-    total = sum(split.values())
-    if total != 100:
-        problems.append(f"the percents sum to {total}; they must sum to 100")
-    return problems
-
-
-def validate_percent(version: str, percent: int, known_versions: Iterable[str]) -> list[str]:
-    """Problems with giving one version a percent (empty = valid)."""
-    problems = []
-    if version not in set(known_versions):
-        problems.append(f"unknown version {version!r}; known versions: {sorted(set(known_versions))}")
-    if not 0 <= percent <= 100:
-        problems.append(f"percent is {percent}; allowed 0..100")
-    return problems
-
-
 def validate_warm_buffer(values: dict[str, int]) -> dict[str, str]:
     """Field -> problem for warm-buffer settings (the same rules the registry applies)."""
     return warm_buffer_problems(**values)

@@ -29,3 +29,9 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
         prev = hash_block(prev, token_ids[start:start + block_size])
         hashes.append(prev)
     return hashes
+
+
+def lora_task_id(adapter: str) -> int:
+    """Stable LoRA task id of an adapter name (TensorRT-LLM's LoRA cache key, < 2^63): the same on every
+    replica and across restarts, so a task cached by the backend is found again by name."""
+    return int.from_bytes(hashlib.sha256(adapter.encode()).digest()[:8], "big") >> 1
