@@ -15,7 +15,7 @@ from registry import queries
 from registry.db import session_scope
 from registry.warm_buffers import warm_buffer_problems
 
-DEFAULT_SLO_TTFT_MS = 500  # interactive tier (DESIGN.md §1) when a version has no warm-buffer row
+DEFAULT_SLO_TTFT_MS = 500  # interactive tier (docs/architecture.md, Goals) when a version has no warm-buffer row
 DEFAULT_SLO_TOKENS_PER_S = 40
 FLEET_COLUMNS = ["replica_id", "model", "version", "region", "state", "reporting", "inflight", "kv_utilisation",
                  "running", "waiting", "queue_wait_ms_p95", "ttft_ms_p95", "slo_ttft_ms_p95", "meets_slo",

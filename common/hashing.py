@@ -1,7 +1,7 @@
 """Prefix block hashing shared by the engine (prefix cache) and the router (prefix affinity).
 
 A prompt is cut into full blocks of `block_size` token ids; each block's hash chains the previous
-block's hash, so equal hashes mean equal whole prefixes (DESIGN.md §4). Partial trailing blocks
+block's hash, so equal hashes mean equal whole prefixes (docs/architecture.md, State reports). Partial trailing blocks
 are never hashed: they cannot be shared.
 """
 from __future__ import annotations

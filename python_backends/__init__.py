@@ -1,1 +1,1 @@
-"""Code behind the Triton Python-backend models (DESIGN.md §2): the CPU engine lives in `engine/`."""
+"""Code behind the Triton Python-backend models (docs/architecture.md, Components and layers): the CPU engine lives in `engine/`."""

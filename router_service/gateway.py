@@ -1,4 +1,4 @@
-"""Gateway checks per caller: request rate limit and daily token quota (DESIGN.md §3 step 2).
+"""Gateway checks per caller: request rate limit and daily token quota (docs/architecture.md, One request, step 3).
 
 API keys are looked up by their hash in the registry snapshot (`RegistryCache.caller_for_key`); the
 tier and adapter rights are checked in `Router.resolve_model`. This module holds the counters.

@@ -1,5 +1,5 @@
 """Replica choice: prefix affinity + load, with a bounded-load cap, adapter preference and a
-round-robin fallback when state reports stop (DESIGN.md §3 step 3).
+round-robin fallback when state reports stop (docs/architecture.md, One request, step 4).
 
 cost(replica) = uncached prefill tokens on that replica + load_weight x its load (running + queued tokens)
               + adapter_miss_tokens if the request's adapter is not loaded there.

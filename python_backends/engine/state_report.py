@@ -1,4 +1,4 @@
-"""The replica state report of DESIGN.md §4, pushed to every router about every 200 ms.
+"""The replica state report (docs/architecture.md, State reports), pushed to every router about every 200 ms.
 
 The engine loop thread builds each report (`build`, on its own thread, so engine state is read consistently)
 and hands it to `StateReporter.publish`; a separate sender thread POSTs the latest one to
