@@ -10,20 +10,37 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 import urllib.request
 from typing import Any
 
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from common.settings import load_from_env
+
 log = logging.getLogger(__name__)
 
 
-def identity_from_env(env: dict[str, str] | None = None) -> dict[str, Any]:
-    env = dict(os.environ) if env is None else env
-    return {"replica_id": env.get("FLEET_REPLICA_ID", "local-0"), "model": env.get("FLEET_MODEL", ""),
-            "version": env.get("FLEET_VERSION", ""), "region": env.get("FLEET_REGION", "local"),
-            "routers": [u.strip().rstrip("/") for u in env.get("FLEET_ROUTER_URLS", "").split(",") if u.strip()]}
+class ReplicaSettings(BaseSettings):
+    """Who this replica is and where its reports go (FLEET_REPLICA_ID, FLEET_MODEL, FLEET_VERSION,
+    FLEET_REGION, FLEET_ROUTER_URLS), set by whoever starts the replica (autoscale/actuators/replicas.py)."""
+    model_config = SettingsConfigDict(env_prefix="FLEET_", extra="ignore", frozen=True)
+
+    replica_id: str = "local-0"
+    model: str = ""
+    version: str = ""
+    region: str = "local"
+    router_urls: str = ""  # comma separated router base URLs
+
+    def identity(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "model": self.model, "version": self.version, "region": self.region,
+                "routers": [u.strip().rstrip("/") for u in self.router_urls.split(",") if u.strip()]}
+
+
+def identity_from_env() -> dict[str, Any]:
+    """The replica's identity, read once at start by the Triton shim (a bad value exits naming it)."""
+    return load_from_env(ReplicaSettings).identity()
 
 
 class StateReporter:
