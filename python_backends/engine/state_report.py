@@ -15,8 +15,10 @@ import time
 import urllib.request
 from typing import Any
 
+from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.replica_report import ReplicaReport
 from common.settings import load_from_env
 
 log = logging.getLogger(__name__)
@@ -68,8 +70,9 @@ class StateReporter:
             self._stop = True
             self._cv.notify()
 
-    def build(self, engine: Any) -> dict[str, Any]:
-        """Called on the engine loop thread: a consistent report from the engine's current state."""
+    def build(self, engine: Any) -> dict[str, Any] | None:
+        """Called on the engine loop thread: a consistent report from the engine's current state, checked
+        against `ReplicaReport` (the router's schema); None, and a full snapshot next time, if it does not fit."""
         pool = engine.kv.pool
         added, removed = pool.drain_events()
         now = time.time()
@@ -86,10 +89,17 @@ class StateReporter:
             report["prefix_hashes_added"], report["prefix_hashes_removed"] = [], []
         else:
             report["prefix_hashes_added"], report["prefix_hashes_removed"] = added, removed
-        return report
+        try:
+            return ReplicaReport.model_validate(report).model_dump()
+        except ValidationError as exc:  # a bug here must not reach the engine loop (it would fail every request)
+            log.error("state report does not fit the ReplicaReport schema, not sent: %s", exc)
+            self._last_full = 0.0
+            return None
 
-    def publish(self, report: dict[str, Any]) -> None:
+    def publish(self, report: dict[str, Any] | None) -> None:
         """Queue a report for sending; unsent deltas are merged so none is lost if the sender lags."""
+        if report is None:
+            return
         with self._cv:
             if self._latest is not None and not report["full_snapshot"]:
                 if self._latest.get("full_snapshot"):
