@@ -90,7 +90,7 @@ class StateReporter:
         else:
             report["prefix_hashes_added"], report["prefix_hashes_removed"] = added, removed
         try:
-            return ReplicaReport.model_validate(report).model_dump()
+            return ReplicaReport.model_validate(report).model_dump(exclude_none=True)  # deltas carry no full list
         except ValidationError as exc:  # a bug here must not reach the engine loop (it would fail every request)
             log.error("state report does not fit the ReplicaReport schema, not sent: %s", exc)
             self._last_full = 0.0
