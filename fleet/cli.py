@@ -15,7 +15,8 @@ COMPONENT_COMMANDS = ("usage.cli", "autoscale.cli")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleet", description="LLM serving platform: start/stop the local platform, meter usage, simulate "
-                                  "the fleet. Ports and paths come from FLEET_* env vars (see README).")
+                                  "the fleet. Ports and paths come from FLEET_* env vars "
+                                  "(docs/architecture.md, Ports and settings).")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("up", "start the whole platform locally (idempotent) and print its endpoints"),
                             ("down", "stop every process `fleet up` started"),
