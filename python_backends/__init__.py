@@ -1,1 +1,2 @@
-"""Code behind the Triton Python-backend models (docs/architecture.md, Components and layers): the CPU engine lives in `engine/`."""
+"""Code behind the Triton Python-backend models: the CPU engine lives in `engine/`
+(docs/architecture.md, Components and layers)."""

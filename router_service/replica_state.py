@@ -1,4 +1,5 @@
-"""Soft state pushed by replicas every ~200 ms (docs/architecture.md, State reports): load, KV blocks, cached prefix hashes.
+"""Soft state pushed by replicas every ~200 ms: load, KV blocks, cached prefix hashes
+(docs/architecture.md, State reports).
 
 Losing it costs only routing quality: entries older than `stale_after_s` are ignored and the router
 falls back to round-robin with per-replica concurrency caps (see `replica_choice`).

@@ -54,7 +54,8 @@ def test_engine_report_is_what_the_router_reads() -> None:
     assert table.summary("m-v1-r0")["kv_blocks_total"] == 31
 
 
-@pytest.mark.parametrize("bad, field", [({"running": -1}, "running"), ({"prefix_hashes_added": "1,2"}, "prefix_hashes_added"),
+@pytest.mark.parametrize("bad, field", [({"running": -1}, "running"),
+                                        ({"prefix_hashes_added": "1,2"}, "prefix_hashes_added"),
                                         ({"colour": "red"}, "colour"), ({"replica_id": "../x"}, "replica_id")])
 def test_router_refuses_a_report_that_does_not_fit(bad: dict, field: str) -> None:
     table = ReplicaStateTable()
