@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -55,14 +56,20 @@ def list_model_versions(session: Session) -> list[ModelVersion]:
     return list(session.scalars(select(ModelVersion).order_by(ModelVersion.name, ModelVersion.version)))
 
 
-def upsert_model_version(session: Session, name: str, version: str, **fields) -> ModelVersion:
-    row = get_model_version(session, name, version)
+def upsert(session: Session, row: Any, create: Callable[[], Any], fields: dict[str, Any]) -> Any:
+    """Set `fields` on `row`, or add the row `create()` makes when `row` is None; returns the row."""
     if row is None:
-        row = ModelVersion(name=name, version=version, **fields)
+        row = create()
         session.add(row)
     else:
         for key, value in fields.items():
             setattr(row, key, value)
+    return row
+
+
+def upsert_model_version(session: Session, name: str, version: str, **fields) -> ModelVersion:
+    row = upsert(session, get_model_version(session, name, version),
+                 lambda: ModelVersion(name=name, version=version, **fields), fields)
     bump_version(session)
     session.flush()
     return row
@@ -187,13 +194,7 @@ def upsert_adapter(session: Session, name: str, base_model: str, base_version: s
 # --- replicas ----------------------------------------------------------------------------------------
 
 def upsert_replica(session: Session, replica_id: str, **fields) -> Replica:
-    row = session.get(Replica, replica_id)
-    if row is None:
-        row = Replica(replica_id=replica_id, **fields)
-        session.add(row)
-    else:
-        for key, value in fields.items():
-            setattr(row, key, value)
+    row = upsert(session, session.get(Replica, replica_id), lambda: Replica(replica_id=replica_id, **fields), fields)
     bump_version(session)
     return row
 
