@@ -63,6 +63,13 @@ def register(subparsers) -> None:
     run.add_argument("--target-load", type=float, default=0.7)
     run.add_argument("--namespace", default="llm", help="Kubernetes namespace")
     run.add_argument("--once", action="store_true", help="one tick, print the decisions as JSON, exit")
+    run.add_argument("--history-weeks", type=int, default=3,
+                     help="weeks of usage-store history the forecaster is fitted on (0 = no forecast)")
+    run.add_argument("--cpu-cores", type=int, default=None,
+                     help="local actuator: cores the replicas may use (default: this machine's); replicas x "
+                          "engine threads stays within them")
+    run.add_argument("--no-cpu-budget", action="store_true",
+                     help="local actuator: start replicas beyond cores / engine threads (they share cores)")
     run.set_defaults(func=cmd_autoscale_run, handler=cmd_autoscale_run)
 
 
@@ -150,7 +157,10 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
         from autoscale.actuators.local import LocalActuator
 
         token = settings.admin_token_file.read_text().strip() if settings.admin_token_file.exists() else None
-        actuator = LocalActuator(settings, [args.router_url or settings.router_http_url], admin_token=token)
+        actuator = LocalActuator(settings, [args.router_url or settings.router_http_url], admin_token=token,
+                                 cpu_cores=args.cpu_cores, cpu_budget=not args.no_cpu_budget)
+        log.info("local actuator: at most %s replicas (%d cores)", actuator.max_replicas or "unbounded",
+                 actuator.cpu_cores)
         for pool in pools:
             actuator.adopt(pool.spec)
     else:
@@ -158,7 +168,11 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
 
         actuator = KubernetesActuator(args.namespace)
     token = settings.admin_token_file.read_text().strip() if settings.admin_token_file.exists() else None
+    from autoscale.live_inputs import forecasts_from_usage
+
+    forecasts = forecasts_from_usage(settings.usage_db_path, pools, args.history_weeks) if args.history_weeks else {}
     controller = Controller(pools, actuator, args.router_url or settings.router_http_url, args.interval_s, admin_token=token,
+                            forecasts=forecasts,
                             decisions_path=settings.data_dir / "autoscale" / "decisions.jsonl")
     if args.once:
         print(json.dumps([d.__dict__ for d in controller.tick()], indent=2))

@@ -56,8 +56,21 @@ def fit_forecast(history: pd.Series, history_end_s: float, horizon_h: int = 48,
     return lambda now: float(forecaster.predict(float(now + offset - history_end_s)))
 
 
+def mean_stream_s(store_path: Path, model: str, since_s: float) -> float | None:
+    """Mean duration of the model's finished interactive/standard streams since `since_s` (None: none)."""
+    from usage.store import connect
+
+    with connect(store_path, read_only=True) as con:
+        value = con.execute("SELECT avg(duration_ms) FROM usage_events WHERE model = ? AND priority <> 'batch' "
+                            "AND status = 'ok' AND ts >= ?", [model, since_s]).fetchall()[0][0]
+    return float(value) / 1000.0 if value else None
+
+
 def forecasts_from_usage(store_path: Path, pools, weeks: int = 3) -> dict[str, Callable[[float], float]]:
-    """One forecast per pool (keyed by pool name) whose model has enough history in the usage store."""
+    """One forecast per pool (keyed by pool name) whose model has enough history in the usage store.
+
+    A forecast in requests/s becomes replicas through the pool's replica-seconds per request, set here
+    from the same history: mean stream duration / streams a replica runs at once."""
     if not Path(store_path).exists():
         log.info("forecast: no usage store at %s; staying reactive", store_path)
         return {}
@@ -68,6 +81,9 @@ def forecasts_from_usage(store_path: Path, pools, weeks: int = 3) -> dict[str, C
         fc = fit_forecast(history, end)
         if fc is not None:
             out[pool.spec.name] = fc
+            stream_s = mean_stream_s(Path(store_path), pool.spec.model, end - weeks * WEEK_H * 3600.0)
+            if stream_s:
+                pool.replica_seconds_per_request = stream_s / max(pool.max_running_per_replica, 1)
             log.info("forecast for %s fitted on %d hours of usage", pool.spec.name, len(history))
     return out
 
