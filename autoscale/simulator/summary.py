@@ -118,8 +118,8 @@ def summarise(policy: str, s: SimSettings, inputs, units, rec: dict, fleets, que
                       "peak_gpus": int(rec["alloc_gpus"][m:, k].max()),
                       "slo_attainment": float(rec["slo_met"][m:, k].sum() / counted) if counted else None,
                       "replica_seconds_per_request": u.cost.w_fg, "stream_tokens_per_s": u.cost.stream_tokens_per_s,
-                      "capacity_bound": u.cost.bound, "prefix_reuse": u.cost.reuse,
-                      "kv_transfer_ms": u.cost.kv_transfer_s * 1e3})
+                      "capacity_bound": u.cost.bound, "kv_transfer_ms": u.cost.kv_transfer_s * 1e3}
+                     | {f"prefix_{k}": v for k, v in u.cost.reuse.items()})  # flat: the admin UI shows it as a table
     log.info("%s: util %.1f %%, SLO %.3f %% (standard %.3f %%), %.0f GPU-h, %.0f tokens/GPU-h, peak %d GPUs", policy,
              100 * summary["daily_avg_utilisation"], 100 * summary["interactive_slo_attainment"],
              100 * summary["standard_slo_attainment"], gpu_hours, summary["tokens_per_gpu_hour"],

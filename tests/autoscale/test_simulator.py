@@ -70,8 +70,8 @@ def test_pools_report_prefix_reuse_and_the_stream_speed_bound(day: dict) -> None
     for pool in day["ours"].pools:
         assert pool["stream_tokens_per_s"] == 40
         assert pool["capacity_bound"] == "stream-speed"
-        assert 0.3 < pool["prefix_reuse"]["interactive"] < 0.7
-        assert pool["prefix_reuse"]["batch"] == 0.0
+        assert 0.3 < pool["prefix_interactive"] < 0.7
+        assert pool["prefix_batch"] == 0.0
 
 
 def test_run_simulation_api_for_the_capacity_page() -> None:
