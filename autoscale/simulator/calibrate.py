@@ -75,8 +75,14 @@ def load_calibration(path: Path) -> Calibration:
         payload = json.loads(text)
         rows = payload if isinstance(payload, list) else None
     except json.JSONDecodeError:
-        payload, rows = None, [json.loads(line) for line in text.splitlines() if line.strip()]
-    if rows is not None:
+        try:
+            payload, rows = None, [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: neither JSON nor JSON lines ({exc}); expected the engine bench's JSON or "
+                             "JSON lines with batch/prefill_tok_s/decode_step_ms") from exc
+    if rows:
+        if not all(isinstance(r, dict) and "batch" in r and "decode_step_ms" in r for r in rows):
+            raise ValueError(f"{path}: every JSON line needs batch and decode_step_ms (and prefill_tok_s)")
         cal = _from_jsonl(rows, str(path))
     elif isinstance(payload, dict) and "systems" in payload:
         cal = _from_engine_bench(payload, str(path))

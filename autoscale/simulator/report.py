@@ -63,6 +63,18 @@ def write_json(payload: dict, path: Path) -> Path:
     return path
 
 
+def save_figure(fig, path: Path) -> Path:
+    """Write a matplotlib figure as a PNG (tight layout) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    log.info("wrote %s", path)
+    return path
+
+
 def plot_pngs(results: dict[str, SimResult], out_dir: Path, prefix: str = "autoscale") -> list[Path]:
     """Three PNGs: GPUs over the day, hourly utilisation, and the headline comparison."""
     import matplotlib

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from autoscale.simulator.costs import unit_costs
 from autoscale.simulator.engine import SimInputs, prepare, run_simulation
-from autoscale.simulator.report import COLOURS
+from autoscale.simulator.report import COLOURS, save_figure
 from autoscale.simulator.settings import SimSettings
 from autoscale.simulator.summary import SimResult
 
@@ -74,11 +74,7 @@ def plot_reuse_sweep(rows: list[dict], path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("Prefix-reuse sensitivity (one simulated day, batch reuse 0 %)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_disaggregated(results: dict[str, SimResult], path: Path) -> Path:
@@ -109,8 +105,4 @@ def plot_disaggregated(results: dict[str, SimResult], path: Path) -> Path:
             ax2.text(b.get_x() + b.get_width() / 2, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
     ax2.set_xticks(range(len(metrics)), [m[2] for m in metrics])
     ax2.set_title("green: ours colocated, blue: disaggregated")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
