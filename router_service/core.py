@@ -37,7 +37,7 @@ INLINE_TOKENIZE_CHARS = 2000
 class Router:
     def __init__(self, registry: RegistryCache, usage_producer=None, region: str = "local",
                  choice: ChoiceParams | None = None, gateway: Gateway | None = None, max_waiting: int = 256,
-                 start_wait_s: float = 600.0) -> None:
+                 batch_yield: BatchYield | None = None, start_wait_s: float = 600.0) -> None:
         self.registry = registry
         self.usage = usage_producer
         self.region = region
@@ -51,7 +51,7 @@ class Router:
         self.queues: dict[str, AdmissionQueue] = {}
         self.max_waiting = max_waiting
         self.requests = InflightRequests()
-        self.batch_yield = BatchYield()
+        self.batch_yield = batch_yield or BatchYield()
 
     @property
     def inflight(self) -> dict[str, int]:
