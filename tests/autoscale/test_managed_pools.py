@@ -85,3 +85,23 @@ def test_signals_of_one_version_ignore_the_other_versions():
     assert (v2.serving, v2.running, v2.waiting) == (1, 1, 2)
     both = parse_fleet(payload, "m", 0.5)
     assert (both.serving, both.running, both.waiting) == (2, 4, 7)
+
+
+def test_a_routed_version_with_no_replica_gets_one_over_the_cpu_budget(tmp_path, monkeypatch):
+    """2 cores / 2 engine threads = 1 replica, already used by v1: a rollout's v2 still gets its first replica
+    (otherwise its share would stay pending for ever); a second one for v2 is refused."""
+    from autoscale.actuators.local import LocalActuator, LocalReplica
+    from autoscale.actuators.replicas import ReplicaSpec
+    from common.settings import load_settings
+
+    monkeypatch.setenv("FLEET_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("FLEET_ENGINE_THREADS", "2")
+    settings = load_settings()
+    migrate(settings.db_url)  # v2 is not built here: its start fails fast and the actuator forgets it
+    actuator = LocalActuator(settings, cpu_cores=2)
+    v1, v2 = PoolSpec("m", "1"), PoolSpec("m", "2")
+    actuator.replicas["m-v1-r0"] = LocalReplica(ReplicaSpec("m", "1", 0), v1, state="serving")
+    actuator.scale(v2, 2)
+    assert [e["replica_id"] for e in actuator.events if e["event"] == "start"] == ["m-v2-r1"]
+    actuator.wait_idle(60)
+    assert actuator.counts(v2).total == 0 and actuator.counts(v1).serving == 1
