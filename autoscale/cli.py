@@ -189,8 +189,9 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from common.logs import setup_logging
+    from common.settings import load_settings
 
-    setup_logging("autoscale")
+    setup_logging("autoscale", load_settings().log_level)
     parser = argparse.ArgumentParser(prog="python -m autoscale.cli")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
