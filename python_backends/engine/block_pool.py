@@ -6,7 +6,7 @@ preference: blank blocks first, then cached blocks least-recently-freed first, s
 the most recently used prefixes as long as memory allows. Block 0 is reserved (the zero block used as
 padding by the model runner) and never handed out.
 
-Hash additions/removals are recorded as events for the router's state report (DESIGN.md §4).
+Hash additions/removals are recorded as events for the router's state report (python_backends/engine/state_report.py).
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class BlockPool:
         self.ref_count[block] += 1
 
     def set_hash(self, block: int, h: int) -> bool:
-        """Index a just-filled prompt block under its chain hash; False if that prefix is already cached."""
+        """Index a just-filled block under its chain hash; False if that prefix is already cached."""
         if h in self.cached or self.block_hash[block] is not None:
             return False
         self.block_hash[block] = h

@@ -70,7 +70,7 @@ class Sequence:
         self.num_computed = 0            # tokens with K/V in the pool
         self.num_cached_prompt = 0       # prompt tokens served from the prefix cache (first admission)
         self.counted_cache = False
-        self.block_hashes: list[int] = []   # chain hashes of full prompt blocks (computed once)
+        self.block_hashes: list[int] = []   # chain hashes of full blocks (extended as they fill)
         self.num_hashed_blocks = 0       # leading blocks of block_table registered in the prefix cache
         self.finish_reason: FinishReason | None = None
         self.error = ""                  # why the request was rejected (finish_reason error)
@@ -80,11 +80,7 @@ class Sequence:
         self.admitted_at: float | None = None
         self.preemptions = 0
         self.num_emitted = 0             # output tokens already handed to the caller
-        self.generator: torch.Generator | None = None
-        if not params.greedy:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(
-                __import__("os").urandom(8), "little") & ((1 << 63) - 1))
+        self.generator: torch.Generator | None = None   # seeded requests: made on the device by sampling.py
 
     # ------------------------------------------------------------------ views
     @property
