@@ -258,6 +258,9 @@ def main() -> None:
     def emit(d: dict) -> None:
         results.append(d)
         print(json.dumps(d), flush=True)
+        if args.out:                      # rewritten after every result: a run cut short keeps what it measured
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1))
     import transformers
     emit({"system": "env", "torch": torch.__version__, "transformers": transformers.__version__,
           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -273,9 +276,6 @@ def main() -> None:
             bench_model(name, args, device, Path(td), emit)
     for r in ratios(results):
         emit(r)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ class DecodeGraphs:
         self.slots = torch.full((max_batch,), self.scratch_slot, dtype=torch.int64, device=dev)
         self.rows = torch.arange(max_batch, dtype=torch.int64, device=dev)
         self.tables = torch.full((max_batch, width), runner.scratch_block, dtype=torch.int64, device=dev)
+        self.replays = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         t0 = time.monotonic()
@@ -80,4 +81,5 @@ class DecodeGraphs:
         self.slots[n:b].fill_(self.scratch_slot)
         self.tables[:n, :width].copy_(batch.block_tables)
         self.graphs[b].replay()
+        self.replays += 1
         return self.outputs[b][:n]
