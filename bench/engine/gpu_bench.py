@@ -82,7 +82,23 @@ def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(n)]
 
 
+def _timed(obj, name: str, acc: dict) -> None:
+    """Instrument obj.name (an instance attribute shadowing the method): seconds summed into acc[name]."""
+    fn = getattr(type(obj), name).__get__(obj)
+
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
+    setattr(obj, name, wrapper)
+
+
 def run_engine(eng: LLMEngine, prompts: list[list[int]], gen_lens: list[int], device: torch.device) -> dict:
+    host: dict[str, float] = {}
+    _timed(eng.scheduler, "schedule", host)
+    _timed(eng.runner, "prepare", host)
     sync(device)
     t0 = time.perf_counter()
     seqs = [eng.add_request(p, SamplingParams(max_tokens=g, ignore_eos=True)) for p, g in zip(prompts, gen_lens)]
@@ -102,12 +118,14 @@ def run_engine(eng: LLMEngine, prompts: list[list[int]], gen_lens: list[int], de
             first_all = time.perf_counter() - t0
     sync(device)
     wall = time.perf_counter() - t0
+    del eng.scheduler.schedule, eng.runner.prepare
     assert all(s.finish_reason is not None and s.finish_reason.value == "length" for s in seqs), "not all finished"
     assert out_tokens == sum(gen_lens), (out_tokens, sum(gen_lens))
     return {"output_tokens": out_tokens, "wall_s": round(wall, 3), "output_tok_s": round(out_tokens / wall, 1),
             "steps": steps, "all_first_token_s": round(first_all or wall, 3),
             "decode_step_ms_median": round(statistics.median(full_decode_ms), 3) if full_decode_ms else None,
-            "decode_steps_at_full_batch": len(full_decode_ms), "preemptions": eng.scheduler.num_preemptions}
+            "decode_steps_at_full_batch": len(full_decode_ms), "preemptions": eng.scheduler.num_preemptions,
+            "host_ms_per_step": {k: round(1000 * v / steps, 3) for k, v in host.items()}}
 
 
 def graph_replay_ms(eng: LLMEngine, n: int, device: torch.device, reps: int = 50) -> float | None:
@@ -186,7 +204,8 @@ def bench_model(name: str, args, device: torch.device, tmp: Path, emit) -> None:
     t = time.perf_counter()
     eng = engine_for(model, tmp, device, args.dtype, top, max_context, args.step_tokens, kv_blocks, True)
     emit({"system": "engine-setup", "model": name, "setup_s": round(time.perf_counter() - t, 2),
-          "kv_blocks": eng.runner.num_blocks, "graph_buckets": eng.runner.graphs.buckets if eng.runner.graphs else []})
+          "kv_blocks": eng.runner.num_blocks, "graph_buckets": eng.runner.graphs.buckets if eng.runner.graphs else [],
+          "graph_error": eng.runner.graph_error})
     warm = prompts_for(2, 32, cfg.vocab_size, 999)
     run_engine(eng, warm, [4, 4], device)
     cases = []

@@ -18,6 +18,7 @@ one extra block past the managed ones is the scratch block that padded CUDA-grap
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from python_backends.engine.device import Staging, fp32_matmul_rows, kv_blocks_f
 from python_backends.engine.lora import LoraManager
 from python_backends.engine.rope import rope_tables
 
+log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -121,6 +123,7 @@ class ModelRunner:
         self.paged = self.device.type == "cuda" and paged_attention.available()
         self.staging = Staging(self.device)
         self.graphs = None                                # cuda_graphs.DecodeGraphs, set by capture_graphs
+        self.graph_error = ""
 
     def _load(self, w: dict[str, torch.Tensor], tied: bool) -> None:
         def get(name: str) -> torch.Tensor:
@@ -149,7 +152,11 @@ class ModelRunner:
     def capture_graphs(self, max_batch: int) -> None:
         """CUDA only: capture decode steps for batch-size buckets up to max_batch (cuda_graphs.py)."""
         from python_backends.engine.cuda_graphs import DecodeGraphs
-        self.graphs = DecodeGraphs(self, max_batch)
+        try:
+            self.graphs = DecodeGraphs(self, max_batch)
+        except Exception as exc:          # e.g. out of memory while capturing: serve eagerly, say why
+            log.exception("CUDA graph capture failed; decode steps run eagerly")
+            self.graphs, self.graph_error = None, repr(exc)
 
     # ------------------------------------------------------------------ batch preparation
     def prepare(self, chunks: list[SeqChunk]) -> ForwardBatch:
@@ -165,6 +172,18 @@ class ModelRunner:
         for r, c in enumerate(chunks):
             n = len(c.token_ids)
             t0 = len(ids)
+            if n == 1:                                   # decode rows: the common case, kept cheap
+                p = c.start
+                ids.append(c.token_ids[0])
+                pos.append(p)
+                slots.append(c.block_table[p // bs] * bs + p % bs)
+                lora_rows.append(c.lora_slot)
+                tok_seq.append(r)
+                if c.need_logits:
+                    logits_rows.append(t0)
+                if p > 0 and n_decode == t0:
+                    n_decode += 1
+                continue
             ids.extend(c.token_ids)
             positions = range(c.start, c.start + n)
             pos.extend(positions)
@@ -174,8 +193,6 @@ class ModelRunner:
             tok_seq.extend([r] * n)
             if c.need_logits:
                 logits_rows.append(t0 + n - 1)
-            if n == 1 and c.start > 0 and n_decode == t0:
-                n_decode += 1
         T, S = len(ids), len(chunks)
         use_lora = any(x >= 0 for x in lora_rows)
         packed = ids + pos + slots + logits_rows + (lora_rows if use_lora else [])
@@ -185,7 +202,9 @@ class ModelRunner:
             packed += tok_seq
             for c in chunks:
                 row = c.block_table[:width]
-                packed += row + [0] * (width - len(row))
+                packed += row
+                if len(row) < width:
+                    packed += [0] * (width - len(row))
         dev = self.staging.to_device(packed)
         L = len(logits_rows)
         o = 0

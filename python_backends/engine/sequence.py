@@ -59,6 +59,7 @@ class Sequence:
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
+        self.num_prompt = len(self.prompt_ids)          # the prompt never changes: read on every step
         self.token_ids = list(prompt_ids)
         self.params = params
         self.priority = int(priority)
@@ -83,10 +84,6 @@ class Sequence:
         self.generator: torch.Generator | None = None   # seeded requests: made on the device by sampling.py
 
     # ------------------------------------------------------------------ views
-    @property
-    def num_prompt(self) -> int:
-        return len(self.prompt_ids)
-
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
