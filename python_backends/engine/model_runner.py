@@ -195,11 +195,16 @@ class ModelRunner:
                 logits_rows.append(t0 + n - 1)
         T, S = len(ids), len(chunks)
         use_lora = any(x >= 0 for x in lora_rows)
-        packed = ids + pos + slots + logits_rows + (lora_rows if use_lora else [])
+        # Every segment starts 16-byte aligned (even int64 count): kernels then see one pointer alignment and
+        # Triton compiles them once, not once per alignment pattern of a step.
+        pad_t, pad_l = [0] * (T % 2), [0] * (len(logits_rows) % 2)
+        packed = ids + pad_t + pos + pad_t + slots + pad_t + logits_rows + pad_l
+        if use_lora:
+            packed += lora_rows + pad_t
         width = 0
         if self.paged:
             width = max(-(-(c.start + len(c.token_ids)) // bs) for c in chunks)
-            packed += tok_seq
+            packed += tok_seq + pad_t
             for c in chunks:
                 row = c.block_table[:width]
                 packed += row
@@ -211,8 +216,8 @@ class ModelRunner:
 
         def take(n: int) -> torch.Tensor:
             nonlocal o
-            o += n
-            return dev[o - n:o]
+            o += n + n % 2
+            return dev[o - n - n % 2:o - n % 2]
         batch = ForwardBatch(input_ids=take(T), positions=take(T), slot_mapping=take(T), logits_rows=take(L),
                              n_decode=n_decode, lora_rows=take(T) if use_lora else None)
         if self.paged:
