@@ -2,14 +2,14 @@
 
 Blocks are allocated lazily, as a sequence's tokens are scheduled (never max length up front). A sequence's
 full blocks - prompt and generated tokens alike, so a chat follow-up that resends the history hits the cache -
-are hashed with the shared chain hash (fleet.hashing) rooted at the sequence's LoRA adapter, so the engine and
+are hashed with the shared chain hash (common.hashing) rooted at the sequence's LoRA adapter, so the engine and
 the routers agree on what a cached prefix is and adapter K/V never serve the base model. On admission the
 longest cached prefix is reused (reference counted); at least one token is always recomputed so the step has
 logits to sample the next token from.
 """
 from __future__ import annotations
 
-from fleet.hashing import extend_block_hashes
+from common.hashing import extend_block_hashes
 from python_backends.engine.block_pool import BlockPool
 from python_backends.engine.sequence import Sequence
 

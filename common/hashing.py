@@ -1,7 +1,7 @@
 """Prefix block hashing shared by the engine (prefix cache) and the router (prefix affinity).
 
 A prompt is cut into full blocks of `block_size` token ids; each block's hash chains the previous
-block's hash, so equal hashes mean equal whole prefixes (docs/architecture.md). Partial trailing blocks
+block's hash, so equal hashes mean equal whole prefixes (docs/architecture.md, State reports). Partial trailing blocks
 are never hashed: they cannot be shared. The chain starts from the LoRA adapter's root hash: K/V computed
 under an adapter (which may change the k/v projections) are never reused for the base model or another
 adapter, and the router predicts cache hits with the same rule.
@@ -46,3 +46,9 @@ def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size:
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int, adapter: str = "") -> list[int]:
     """Chain hashes of every full block of `token_ids`, in order, under `adapter` ("" = base model)."""
     return extend_block_hashes([], token_ids, block_size, adapter)
+
+
+def lora_task_id(adapter: str) -> int:
+    """Stable LoRA task id of an adapter name (TensorRT-LLM's LoRA cache key, < 2^63): the same on every
+    replica and across restarts, so a task cached by the backend is found again by name."""
+    return int.from_bytes(hashlib.sha256(adapter.encode()).digest()[:8], "big") >> 1
