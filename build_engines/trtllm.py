@@ -47,6 +47,7 @@ GPU_TEMPLATES = {"llm": TEMPLATES / "gpu" / "llm", "preprocessing": TEMPLATES / 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json", "config.json", "chat_template.jinja")
 HF_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp8": "float16"}
+TOKENS_PER_BLOCK = 64  # KV-cache block size given to trtllm-build; postprocessing turns reused blocks into tokens
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ def plan_trtllm(plan: BuildPlan, work_dir: Path, serve_dir: Path, adapters_dir: 
              "--use_paged_context_fmha", "enable",
              "--max_batch_size", str(o.max_batch_size), "--max_num_tokens", str(o.max_num_tokens),
              "--max_input_len", str(plan.extra["max_input_len"]), "--max_seq_len", str(plan.extra["max_seq_len"]),
-             "--max_beam_width", "1", "--multiple_profiles", "enable", "--workers", str(tp)]
+             "--max_beam_width", "1", "--multiple_profiles", "enable", "--workers", str(tp),
+             "--tokens_per_block", str(TOKENS_PER_BLOCK)]
     if plan.dtype == "fp8":
         build += ["--use_fp8_context_fmha", "enable"]
     if plan.lora:
@@ -123,6 +125,7 @@ def trtllm_values(plan: BuildPlan, engine_dir: Path, tokenizer_dir: Path, adapte
         "lora_max_modules_layers": str(modules),
         "tokenizer_dir": str(tokenizer_dir), "adapters_dir": str(adapters_dir),
         "max_context": str(plan.max_context), "dtype": plan.dtype, "tensor_parallel": str(tp),
+        "tokens_per_block": str(TOKENS_PER_BLOCK),
         "kv_cache_dtype": "fp8" if plan.dtype == "fp8" else HF_DTYPE[plan.dtype],
     }
 
