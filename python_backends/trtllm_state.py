@@ -2,6 +2,9 @@
 sends from inside (python_backends/engine/state_report.py), built here from the replica's Prometheus metrics.
 
 Run next to each GPU replica (a second container in the pod): `python -m python_backends.trtllm_state`.
+`... trtllm_state drain` is the pod's preStop hook: it asks every router to stop admitting to this replica, then
+waits until the backend's active-request metric and Triton's pending count of the ensemble are both 0
+(`nv_inference_pending_request_count` alone excludes executing requests, so it would stop streams mid-way).
 Every interval it reads Triton's metrics endpoint and publishes, through the same sender as the CPU engine:
 - `kv_blocks_total` / `kv_blocks_free` / `block_size` from nv_trt_llm_kv_cache_block_metrics
   {kv_cache_block_type="max"|"free"|"tokens_per"};
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 import urllib.request
 from typing import Any
@@ -103,17 +107,58 @@ def run(metrics_url: str, interval_s: float, identity: dict[str, Any], stop_afte
     reporter.stop()
 
 
+def busy(values: dict[str, float]) -> int:
+    """Requests the replica still holds: the executor's active ones, plus any Triton has not handed over yet."""
+    return int(values.get("req.active", 0) + values.get("pending", 0))
+
+
+def drain(metrics_url: str, identity: dict[str, Any], admin_token: str, timeout_s: float,
+          poll_s: float = 1.0) -> bool:
+    """Stop admission at every router, then wait for the replica to hold no request; False on timeout."""
+    for router in identity.get("routers", []):
+        req = urllib.request.Request(f"{router}/admin/replicas/{identity['replica_id']}/drain", data=b"{}",
+                                     method="POST", headers={"authorization": f"Bearer {admin_token}",
+                                                             "content-type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=5).close()
+            log.info("router %s drains %s", router, identity["replica_id"])
+        except OSError as exc:  # keep going: the other routers and the wait still matter
+            log.warning("router %s did not accept the drain of %s: %s", router, identity["replica_id"], exc)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            left = busy(parse(scrape(metrics_url)))
+        except OSError:
+            return True  # Triton is gone: nothing left to wait for
+        if left == 0:
+            log.info("replica %s drained", identity["replica_id"])
+            return True
+        log.info("replica %s still holds %d request(s)", identity["replica_id"], left)
+        time.sleep(poll_s)
+    log.warning("replica %s not drained after %.0f s", identity["replica_id"], timeout_s)
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m python_backends.trtllm_state", description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", nargs="?", choices=("report", "drain"), default="report",
+                    help="report: publish state reports (default); drain: the preStop hook")
     ap.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics",
                     help="the replica's Triton metrics endpoint (default %(default)s)")
     ap.add_argument("--interval", type=float, default=0.2, help="seconds between reports (default %(default)s)")
+    ap.add_argument("--timeout", type=float, default=110.0,
+                    help="drain: give up after this many seconds (keep it under the pod's grace period)")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     identity = identity_from_env()
     if not identity["routers"]:
         ap.error("FLEET_ROUTER_URLS is empty: set the routers' internal URLs (comma-separated)")
+    if args.mode == "drain":
+        token = os.environ.get("FLEET_ROUTER_ADMIN_TOKEN", "")
+        if not token:
+            ap.error("FLEET_ROUTER_ADMIN_TOKEN is empty: the drain call needs an operator token")
+        return 0 if drain(args.metrics_url, identity, token, args.timeout) else 1
     run(args.metrics_url, args.interval, identity)
     return 0
 
