@@ -13,7 +13,7 @@ import sys
 
 from build_engines.build import ensure_node_local
 from build_engines.plan import BuildError
-from fleet.settings import load_settings
+from common.settings import load_settings
 
 
 def main(argv: list[str] | None = None) -> int:

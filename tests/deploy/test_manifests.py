@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleet.settings import REPO_ROOT
+from common.settings import REPO_ROOT
 from tests.deploy.k8s_schema import deserialize, model_for, unknown_fields
 
 OVERLAYS = ("cpu-dev", "gpu-prod")

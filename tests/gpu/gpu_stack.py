@@ -14,12 +14,12 @@ import httpx
 
 from build_engines.lora_convert import convert_peft
 from build_engines.register import Registration
-from fleet import processes
-from fleet.replicas import ReplicaSpec, replica_base_port, start_replica
+from common import processes
+from autoscale.actuators.replicas import ReplicaSpec, replica_base_port, start_replica
 from fleet.seed import DEFAULT_MODEL, DEFAULT_VERSION, seed
-from fleet.services import replica_ports, start_tansu
-from fleet.settings import REPO_ROOT, Settings, load_settings
-from fleet.vendor import triton_home
+from common.services import replica_ports, start_tansu
+from common.settings import REPO_ROOT, Settings, load_settings
+from common.vendor import triton_home
 from registry.db import migrate
 from tests.gpu.standin_repo import render_standin_repository
 from tests.integration.platform import platform_env
