@@ -103,3 +103,34 @@ def test_lora_weights_cross_once_per_replica_and_again_after_eviction(stack):
         assert stack.complete("Say hello.", 3, adapter=adapter)["choices"][0]["finish_reason"] == "length"
     assert sends("not_cached") >= 1
     assert sum(uploads()) == sends("first") + sends("not_cached")
+
+
+def test_prestop_drain_waits_for_the_backends_active_requests(stack):
+    """Last: it drains a replica. The wait ends only when the executor's active-request metric is 0 (Triton's
+    pending count is 0 as soon as the request is executing)."""
+    import threading
+
+    from python_backends.trtllm_state import drain
+
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(stack.complete("Count from one to fifty:", 40)))
+    worker.start()
+    index = wait_for(lambda: _busy_replica(stack), 30, "the request never became active")
+    pending = stack.replica_metric(index - 1, "nv_inference_pending_request_count")
+    assert pending == 0  # executing: the old drain signal would have let the pod stop here
+    identity = {"replica_id": stack.replica_ids[index - 1], "routers": [stack.http_url]}
+    assert drain(stack.metrics_url(index - 1), identity, stack.admin_token, timeout_s=60, poll_s=0.2)
+    worker.join(10)
+    assert result["usage"]["completion_tokens"] == 40 and result["choices"][0]["finish_reason"] == "length"
+    states = {r["replica_id"]: r["state"] for r in stack.fleet()["replicas"]}
+    assert states[identity["replica_id"]] == "draining"
+
+
+def _busy_replica(stack) -> int:
+    """1 + the index of a replica whose executor holds a request (0 = none yet)."""
+    for i in range(2):
+        text = httpx.get(stack.metrics_url(i), timeout=5).text
+        if any(line.startswith("nv_trt_llm_request_metrics") and 'request_type="active"' in line
+               and float(line.rsplit(" ", 1)[1]) >= 1 for line in text.splitlines()):
+            return i + 1
+    return 0
