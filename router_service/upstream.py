@@ -1,4 +1,4 @@
-"""Streaming calls from the router to one Triton replica's decoupled ensemble `llm` (docs/architecture.md).
+"""Streaming calls from the router to one Triton replica's decoupled ensemble `llm` (docs/architecture.md, Replica interface).
 
 A stream ends on whichever comes first: a response that carries a `finish_reason` (the CPU engine knows why it
 stopped), or Triton's empty final response (parameter `triton_final_response`, asked for with

@@ -8,13 +8,13 @@ conversion in TensorRT-LLM's layout) are attached only when the router sets requ
 TensorRT-LLM keeps them in its LoRA cache, so they cross into the backend once per replica (again only after
 the backend answered that the task is not cached).
 """
-import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from common.hashing import lora_task_id
 from common.text import load_tokenizer
 
 DEFAULT_MAX_TOKENS = 256
@@ -23,11 +23,6 @@ DEFAULT_MAX_TOKENS = 256
 def _opt(request, name, default):
     t = pb_utils.get_input_tensor_by_name(request, name)
     return default if t is None else t.as_numpy().reshape(-1)[0]
-
-
-def lora_task_id(adapter: str) -> int:
-    """Same id as build_engines.trtllm.lora_task_id (kept dependency-free here)."""
-    return int.from_bytes(hashlib.sha256(adapter.encode()).digest()[:8], "big") >> 1
 
 
 class TritonPythonModel:
