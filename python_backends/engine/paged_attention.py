@@ -14,18 +14,20 @@ Triton is imported lazily: CPU installs never need it.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 log = logging.getLogger(__name__)
 _use_dot = True
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:        # CPU-only installs: the CUDA path is never taken there
-    triton = None
-    tl = None
+triton = tl = None
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":   # CPU serving never loads Triton
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        triton = tl = None
 
 if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt"])
