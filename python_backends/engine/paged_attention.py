@@ -14,20 +14,17 @@ Triton is imported lazily: CPU installs never need it.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 log = logging.getLogger(__name__)
 _use_dot = True
 
-triton = tl = None
-if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":   # CPU serving never loads Triton
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        triton = tl = None
+try:                       # CUDA images carry Triton; CPU installs normally do not (then the CPU path serves)
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
 
 if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt"])
