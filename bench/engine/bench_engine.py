@@ -112,7 +112,7 @@ def bench_hf(weights: Path, workloads: dict, args) -> dict:
         load = [round(x, 1) for x in os.getloadavg()]
         proc = subprocess.Popen([sys.executable, "-m", "bench.engine.bench_engine", "--hf-worker", str(weights),
                                  "--hf-batch", str(conc), "--hf-out", str(tmp), "--requests", str(len(reqs)),
-                                 "--hf-workload", key.split("-")[0],
+                                 "--hf-workload", key.split("-")[0], "--burst-output", str(args.burst_output),
                                  "--rate", str(args.rate), "--seed", str(args.seed), "--dtype", args.dtype,
                                  "--threads", str(args.threads), "--output-max", str(args.output_max),
                                  "--prompt-max", str(args.prompt_max)],
