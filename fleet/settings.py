@@ -30,6 +30,8 @@ class Settings:
     usage_topic: str = "llm.usage.v1"
     usage_dlq_topic: str = "llm.usage.v1.dlq"
     region: str = "local"
+    currency: str = "USD"  # the one currency of prices, budgets and GPU cost (FLEET_CURRENCY)
+    metrics_scrape_s: float = 10.0  # router /metrics -> usage store history (FLEET_METRICS_SCRAPE_S)
 
     @property
     def router_http_url(self) -> str:
@@ -96,4 +98,6 @@ def load_settings() -> Settings:
         kafka_port=kafka_port,
         replica_base_port=_env_int("FLEET_REPLICA_BASE_PORT", 8100),
         region=os.environ.get("FLEET_REGION", "local"),
+        currency=os.environ.get("FLEET_CURRENCY", "USD").strip().upper() or "USD",
+        metrics_scrape_s=float(os.environ.get("FLEET_METRICS_SCRAPE_S") or 10.0),
     )
