@@ -53,11 +53,19 @@ def history(range_key: str, now: float | None = None, scrape_s: float = 10.0, pa
                    fm.gauge_series(frame, "fleet_router_replica_kv_utilisation", "replica"))
 
 
-def headline(window_s: int, now: float | None = None, path=None) -> dict:
-    """TTFT and queue-wait p95 over the last `window_s` (with the scrape time and the newest request seen)."""
+def headline(window_s: int, now: float | None = None, scrape_s: float = 10.0, path=None) -> dict:
+    """TTFT and queue-wait p95 over the last `window_s` (with the scrape time and the newest request seen),
+    and tokens/s and the error rate between the two newest scrapes (None before two scrapes)."""
     now = now if now is not None else time.time()
+    recent = fm.load(store_path(path), now - 5 * scrape_s, now, 1e-3, NAMES[:2])
+    tokens = fm.counter_rate(recent, "fleet_router_completion_tokens_total")
+    requests = fm.counter_rate(recent, "fleet_router_requests_total", by="status")
+    last = requests[requests["ts"] == requests["ts"].max()] if not requests.empty else requests
+    total = float(last["rate"].sum()) if not last.empty else 0.0
     return {"ttft": fm.window_quantile(store_path(path), "fleet_router_ttft_seconds", 0.95, window_s, now),
-            "queue_wait": fm.window_quantile(store_path(path), "fleet_router_queue_wait_seconds", 0.95, window_s, now)}
+            "queue_wait": fm.window_quantile(store_path(path), "fleet_router_queue_wait_seconds", 0.95, window_s, now),
+            "tokens_per_s": float(tokens["rate"].iloc[-1]) if not tokens.empty else None,
+            "error_rate": float(last.loc[last["status"] == "error", "rate"].sum()) / total if total else 0.0}
 
 
 def age_text(ts: float | None, now: float) -> str:

@@ -25,6 +25,7 @@ KEPT = {"fleet_router_requests_total", "fleet_router_completion_tokens_total", "
         "fleet_router_queue_wait_seconds_bucket", "fleet_router_queue_wait_seconds_count",
         "fleet_router_queue_depth", "fleet_router_replica_kv_utilisation", "fleet_router_replica_waiting"}
 SAMPLE_COLUMNS = ["ts", "name", "labels", "le", "value"]
+SCRAPE_MARK = "scrape"  # the name of load()'s one-row-per-scrape marker
 
 
 def parse_samples(text: str) -> list[tuple[str, str, float | None, float]]:
@@ -58,7 +59,8 @@ def record(con: duckdb.DuckDBPyConnection, ts: float, rows: list[tuple], retenti
 
 def load(store_path, since_ts: float, until_ts: float, step_s: float, names: list[str]) -> pd.DataFrame:
     """Samples of `names` at (about) one scrape per `step_s`, from the last scrape before `since_ts` (so the
-    first interval has a start) to `until_ts`. Empty when nothing was scraped yet."""
+    first interval has a start) to `until_ts`, plus one SCRAPE_MARK row per scrape (a series missing from a
+    scrape counts as 0 there). Empty when nothing was scraped yet."""
     name_list = ", ".join("?" for _ in names)
     sql = f"""
         WITH scrapes AS (SELECT DISTINCT ts FROM router_metrics WHERE ts <= ?),
@@ -66,7 +68,9 @@ def load(store_path, since_ts: float, until_ts: float, step_s: float, names: lis
         picks AS (SELECT max(s.ts) AS ts FROM scrapes s, first f WHERE s.ts >= f.ts
                   GROUP BY floor(s.ts / ?))
         SELECT m.ts, m.name, m.labels, m.le, m.value FROM router_metrics m JOIN picks USING (ts)
-        WHERE m.name IN ({name_list}) ORDER BY m.ts"""
+        WHERE m.name IN ({name_list})
+        UNION ALL SELECT ts, '{SCRAPE_MARK}', '{{}}', NULL, 0 FROM picks
+        ORDER BY ts"""
     try:
         with store.connect(store_path, read_only=True) as con:
             return con.execute(sql, [until_ts, since_ts, since_ts, max(step_s, 1e-3), *names]).df()
@@ -126,7 +130,8 @@ def bucket_quantile(bounds: np.ndarray, counts: np.ndarray, q: float) -> float:
 def _bucket_table(frame: pd.DataFrame, base: str, by: str | None) -> pd.DataFrame:
     f = frame[frame["name"] == f"{base}_bucket"]
     f = f.assign(group=_label(f, by) if by else "")
-    return f.pivot_table(index="ts", columns=["group", "le"], values="value", aggfunc="sum").sort_index(axis=1)
+    table = f.pivot_table(index="ts", columns=["group", "le"], values="value", aggfunc="sum").sort_index(axis=1)
+    return table.reindex(sorted(frame["ts"].unique()))
 
 
 def quantile_series(frame: pd.DataFrame, base: str, q: float = 0.95, by: str | None = None) -> pd.DataFrame:
@@ -158,12 +163,13 @@ def window_quantile(store_path, base: str, q: float, window_s: float, now: float
     if frame.empty:
         return out
     counts = frame[frame["name"] == f"{base}_count"].groupby("ts")["value"].sum()
+    counts = counts.reindex(sorted(frame["ts"].unique()), fill_value=0.0)
     out["as_of"] = float(counts.index.max())
     grew = counts.diff() > 0
     if grew.any():
         out["last_observed"] = float(counts.index[grew.to_numpy()].max())
     table = _bucket_table(frame, base, None).ffill().fillna(0)
-    if len(table) < 2:
+    if len(table) < 2 or table.columns.empty:  # fewer than two scrapes, or the histogram has no series yet
         return out
     inc = _deltas(table).sum()[""]  # summed over the window; resets handled interval by interval
     bounds = np.asarray(inc.index, dtype=float)

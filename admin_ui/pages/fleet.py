@@ -60,7 +60,8 @@ window_key = c2.segmented_control("p95 window", list(fh.WINDOWS), key="fleet_win
                                   default=url_state.initial("window", "5 min", list(fh.WINDOWS))) or "5 min"
 url_state.publish(range=range_key, window=window_key)
 now = time.time()
-head = session.safe("p95 over the window (metrics history)", fh.headline, fh.WINDOWS[window_key], now)
+head = session.safe("p95 over the window (metrics history)", fh.headline, fh.WINDOWS[window_key], now,
+                    session.settings().metrics_scrape_s)
 hist = session.safe("the metrics history (usage store)", fh.history, range_key, now, session.settings().metrics_scrape_s)
 if head is not None:
     m = st.columns(4)
@@ -69,9 +70,9 @@ if head is not None:
         col.metric(f"{label}, last {window_key}", "no requests" if h["value_ms"] is None else f"{h['value_ms']:.0f} ms")
         col.caption(f"{h['observations']} requests · as of {fh.age_text(h['as_of'], now)} · newest request "
                     f"{fh.age_text(h['last_observed'], now)}")
-    if hist is not None and not hist.tokens_per_s.empty:
-        m[2].metric("tokens/s, last scrape interval", f"{float(hist.tokens_per_s['rate'].iloc[-1]):.1f}")
-        m[3].metric("error rate, last scrape interval", f"{float(hist.error_rate['error_rate'].iloc[-1]):.1%}")
+    if head["tokens_per_s"] is not None:
+        m[2].metric("tokens/s, last scrape interval", f"{head['tokens_per_s']:.1f}")
+        m[3].metric("error rate, last scrape interval", f"{head['error_rate']:.1%}")
 if hist is not None:
     if hist.empty:
         st.info("No metrics history yet: the metrics scraper (`fleet usage scrape-metrics`, started by `fleet up`) "
