@@ -39,6 +39,11 @@ class Filters:
         return self.until + dt.timedelta(days=1)
 
 
+def money(amount: float) -> str:
+    """An amount as people read it: 2 decimals from 1 up, 6 below (token prices make tiny amounts)."""
+    return f"{amount:,.2f}" if abs(amount) >= 1 else f"{amount:.6f}"
+
+
 def month_to_date(today: dt.date) -> tuple[dt.date, dt.date]:
     return today.replace(day=1), today
 

@@ -53,16 +53,17 @@ status = session.safe("budgets (registry) and month-to-date cost", cd.budget_sta
 if status is not None:
     for row in status.itertuples():
         if row.status == "over budget":
-            st.error(f"**{row.team}** is over budget: {row.month_to_date:,.2f} of {row.budget:,.2f} {currency} "
-                     f"spent; forecast {row.forecast_month_end:,.2f} {currency} by month end.")
+            st.error(f"**{row.team}** is over budget: {cd.money(row.month_to_date)} of {cd.money(row.budget)} "
+                     f"{currency} spent; forecast {cd.money(row.forecast_month_end)} {currency} by month end.")
         elif row.status == "will overrun":
-            st.warning(f"**{row.team}** will overrun its budget: forecast {row.forecast_month_end:,.2f} {currency} "
-                       f"by month end against {row.budget:,.2f} {currency} ({row.month_to_date:,.2f} spent so far).")
+            st.warning(f"**{row.team}** will overrun its budget: forecast {cd.money(row.forecast_month_end)} "
+                       f"{currency} by month end against {cd.money(row.budget)} {currency} "
+                       f"({cd.money(row.month_to_date)} spent so far).")
     left, right = st.columns([3, 2])
     left.dataframe(status, hide_index=True, width="stretch", column_config={
         "month_to_date": st.column_config.NumberColumn(f"month to date ({currency})", format="%.6f"),
         "forecast_month_end": st.column_config.NumberColumn(f"forecast month end ({currency})", format="%.6f"),
-        "budget": st.column_config.NumberColumn(f"budget ({currency})", format="%.2f"),
+        "budget": st.column_config.NumberColumn(f"budget ({currency})", format="%.6f"),
         "used_share": st.column_config.ProgressColumn("budget used", min_value=0.0, max_value=1.0,
                                                       format="percent")})
     if not status.empty:
@@ -74,8 +75,8 @@ if status is not None:
             b = st.columns([2, 2, 1])
             team = b[0].selectbox("Team", teams, key="budget_team") if teams else b[0].text_input("Team",
                                                                                                   key="budget_team")
-            amount = b[1].number_input(f"Monthly budget ({currency})", min_value=0.0, value=0.0, step=10.0,
-                                       format="%.2f", key="budget_amount")
+            amount = b[1].number_input(f"Monthly budget ({currency})", min_value=0.0, max_value=1e12, value=0.0,
+                                       step=10.0, format="%.6f", key="budget_amount")
             saved = b[2].form_submit_button("Set budget")
         box = st.container()
         if saved:
@@ -83,7 +84,7 @@ if status is not None:
                 box.error("Not changed: choose a team.")
             else:
                 session.write(lambda: session.client().set_budget(team, float(amount)),
-                              f"budget of {team} set to {amount:,.2f} {currency}", box)
+                              f"budget of {team} set to {cd.money(amount)} {currency}", box)
 
 st.subheader("Cost by team, model, version, adapter and tier")
 breakdown = session.safe("the cost breakdown (usage store)", cd.cost, filters,
