@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from fleet.settings import REPO_ROOT
+from common.settings import REPO_ROOT
 
 ASSUMPTIONS = REPO_ROOT / "autoscale" / "simulator" / "assumptions.json"
 DEFAULT_GPU_HOUR_PRICE = 2.5

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from admin_ui.usage_data import store_path
-from fleet.settings import load_settings
+from common.settings import load_settings
 from registry import budgets
 from registry.db import session_scope
 from usage import chargeback, store

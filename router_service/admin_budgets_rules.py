@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.settings import load_settings
+from common.settings import load_settings
 from registry import budgets, rollback_rules
 from registry.db import session_scope
 from router_service.errors import RouterError
