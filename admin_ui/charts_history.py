@@ -32,7 +32,8 @@ def budgets(status: pd.DataFrame, currency: str) -> go.Figure:
     with_budget = status.dropna(subset=["budget"])
     fig.add_scatter(x=with_budget["team"], y=with_budget["budget"], name="budget", mode="markers",
                     marker=dict(symbol="line-ew", size=60, line=dict(width=3, color="#e45756")))
-    fig.update_layout(title=f"Actual vs budget ({currency})", yaxis_title=currency, **_LAYOUT)
+    fig.update_layout(title=f"Actual vs budget ({currency})", yaxis_title=currency,
+                      **{**_LAYOUT, "legend": dict(orientation="h", yanchor="top", y=-0.12, xanchor="left", x=0)})
     return fig
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import duckdb
 import numpy as np
@@ -184,3 +185,27 @@ def gauge_series(frame: pd.DataFrame, name: str, by: str) -> pd.DataFrame:
     """A gauge's value per scrape and label `by` (e.g. replica). Columns: ts, <by>, value."""
     f = frame[frame["name"] == name]
     return pd.DataFrame({"ts": f["ts"], by: _label(f, by), "value": f["value"]}).reset_index(drop=True)
+
+
+def serving_replicas(rows: list[tuple]) -> list[tuple[str, str, str]]:
+    """(replica, model, version) of the replicas with a fresh state report in one scrape (their KV gauge)."""
+    out = []
+    for name, labels, _le, _value in rows:
+        if name == "fleet_router_replica_kv_utilisation":
+            d = json.loads(labels)
+            out.append((d.get("replica", ""), d.get("model", ""), d.get("version", "")))
+    return out
+
+
+def add_replica_hours(con: duckdb.DuckDBPyConnection, ts: float, seconds: float, replicas: list[tuple[str, str, str]],
+                      gpus_per_replica: dict[tuple[str, str], int]) -> None:
+    """Add `seconds` of every reporting replica, times its GPUs, to the store's gpu_hours table (the GPU-hours
+    chargeback splits over teams; hours no request used become the '(idle)' share)."""
+    day = time.strftime("%Y-%m-%d", time.gmtime(ts))
+    hours: dict[tuple[str, str], float] = {}
+    for _replica, model, version in replicas:
+        key = (model, version)
+        hours[key] = hours.get(key, 0.0) + seconds / 3600 * gpus_per_replica.get(key, 1)
+    for (model, version), h in hours.items():
+        con.execute("INSERT INTO gpu_hours VALUES (CAST(? AS DATE), ?, ?, ?) ON CONFLICT (day, model, version) "
+                    "DO UPDATE SET gpu_hours = gpu_hours.gpu_hours + excluded.gpu_hours", [day, model, version, h])

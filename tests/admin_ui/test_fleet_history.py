@@ -63,3 +63,17 @@ def test_the_fleet_page_charts_the_history_and_states_the_p95_window(stack, page
     assert len(at.get("plotly_chart")) == 2 + 6
     at.segmented_control(key="fleet_range").set_value("6h").run()
     assert not at.exception and at.query_params["range"] == "6h", "the range is in the URL"
+
+
+def test_each_scrape_adds_the_reporting_replicas_gpu_hours(stack):
+    from usage import chargeback, store
+    from usage.metrics_scraper import gpus_per_replica
+    url, path = f"http://127.0.0.1:{stack.port}", stack.data_dir / "usage.duckdb"
+    gpus = gpus_per_replica(stack.db_url)
+    assert gpus[(MODEL, "1")] == 1
+    scrape_once(url, path, 86400, replica_seconds=1800, gpus_per_replica={**gpus, (MODEL, "2"): 4})
+    with store.connect(path, read_only=True) as con:
+        hours = dict(con.execute("SELECT version, gpu_hours FROM gpu_hours").fetchall())
+    assert hours == {"1": pytest.approx(1.0), "2": pytest.approx(2.0)}, "2 replicas x 0.5 h; 1 x 0.5 h x 4 GPUs"
+    by_team = chargeback.gpu_hours_by_team(path)
+    assert by_team["gpu_hours"].sum() == pytest.approx(3.0)

@@ -115,4 +115,4 @@ def test_every_admin_page_renders_with_real_data(platform):
     assert fleet.metrics["TTFT p95, last 5 min"].endswith("ms"), fleet.metrics
     assert tour.reload_kept_session, "a browser reload signed the user out"
     assert [r.write_controls for r in tour.viewer] == [0, 0, 0, 0], "a viewer must see no write controls"
-    assert tour.reports[2].write_controls > 0, "the operator does see them"
+    assert tour.reports[2].write_controls > 0 and chargeback.write_controls > 0, "the operator does see them"
