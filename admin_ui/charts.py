@@ -52,7 +52,8 @@ def version_comparison(frame: pd.DataFrame) -> go.Figure:
     fig.update_layout(title="Versions under rollout: latency and errors", barmode="group",
                       xaxis=dict(title="version", type="category"), yaxis=dict(title="ms"),
                       yaxis2=dict(title="errors %", overlaying="y", side="right", showgrid=False, tickmode="auto",
-                                  nticks=6, range=[0, max(5.0, float(errors_pct.max()) * 1.2)]), **_LAYOUT)
+                                  nticks=6, range=[0, max(5.0, float(errors_pct.max()) * 1.2)]),
+                      **{**_LAYOUT, "legend": dict(orientation="h", yanchor="top", y=-0.2, xanchor="left", x=0)})
     return fig
 
 

@@ -43,20 +43,26 @@ def lines(frame: pd.DataFrame, y: str, title: str, y_title: str, colour: str | N
     f = frame.assign(time=pd.to_datetime(frame["ts"], unit="s", utc=True))
     fig = px.line(f, x="time", y=y, color=colour, markers=len(f) < 60, labels={y: y_title, "time": ""})
     fig.update_xaxes(type="date", range=x_range)
-    fig.update_yaxes(rangemode="tozero", tickformat=".0%" if percent else None)
+    if percent:  # shares: from 0, at least 0..5 %, at most 0..100 %
+        top = float(pd.to_numeric(f[y], errors="coerce").max() or 0)
+        fig.update_yaxes(range=[0, min(1.0, max(0.05, top * 1.2))], tickformat=".0%")
+    else:
+        fig.update_yaxes(rangemode="tozero")
     fig.update_layout(title=title, yaxis_title=y_title, **_LAYOUT)
     return fig
 
 
-def version_panels(frame: pd.DataFrame) -> go.Figure:
+def version_panels(frame: pd.DataFrame, x_range: tuple | None = None) -> go.Figure:
     """Per-version TTFT p95, error rate and tokens/s per time bucket, in three panels side by side."""
     long = frame.melt(id_vars=["bucket", "version"], value_vars=["ttft_ms_p95", "error_rate", "tokens_per_s_p50"],
                       var_name="metric", value_name="value")
     names = {"ttft_ms_p95": "TTFT p95 (ms)", "error_rate": "error rate", "tokens_per_s_p50": "tokens/s per stream"}
     long["metric"] = long["metric"].map(names)
     fig = px.line(long, x="bucket", y="value", color="version", facet_col="metric", markers=True,
-                  category_orders={"metric": list(names.values())}, labels={"bucket": "", "value": ""})
+                  category_orders={"metric": list(names.values())},
+                  labels={"bucket": "", "value": "", "version": "version"})
     fig.for_each_annotation(lambda a: a.update(text=a.text.split("=")[-1]))
+    fig.update_xaxes(type="date", range=x_range, nticks=5)
     fig.update_yaxes(matches=None, rangemode="tozero", showticklabels=True)
     fig.update_layout(title="Versions side by side over time", **_LAYOUT)
     return fig

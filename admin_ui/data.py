@@ -114,7 +114,14 @@ def change_text(before: dict | None, after: dict | None) -> str:
         extra = f" ({after['reason']})" if after.get("reason") else ""
         return ", ".join(parts) + extra
     keys = [k for k in dict.fromkeys([*before, *after]) if before.get(k) != after.get(k)]
-    return ", ".join(f"{k}: {before.get(k, '–')} → {after.get(k, '–')}" for k in keys)
+    return ", ".join(f"{k}: {_plain(before.get(k, '–'))} → {_plain(after.get(k, '–'))}" for k in keys)
+
+
+def _plain(value) -> str:
+    """Numbers as people write them (0.000001, not 1e-06)."""
+    if isinstance(value, float):
+        return f"{value:.6f}".rstrip("0").rstrip(".") if value != int(value) else f"{value:.0f}"
+    return str(value)
 
 
 def routable_versions(versions: pd.DataFrame, model: str) -> list[str]:

@@ -157,7 +157,9 @@ if comparison is not None:
         series = session.safe("versions over time (usage store)", usage_data.version_series, model,
                               window_h * 3600.0, bucket_s)
         if series is not None and not series.empty:
-            st.plotly_chart(charts_history.version_panels(series), width="stretch")
+            end = pd.Timestamp.now(tz="UTC")
+            st.plotly_chart(charts_history.version_panels(series, (end - pd.Timedelta(hours=window_h), end)),
+                            width="stretch")
             st.caption(f"Each point covers {bucket_s // 60} min of finished requests (usage store).")
         left, right = st.columns([3, 2])
         left.dataframe(comparison, hide_index=True, width="stretch", column_config={

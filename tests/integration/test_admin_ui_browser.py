@@ -82,6 +82,10 @@ def test_every_admin_page_renders_with_real_data(platform):
     resp = httpx.put(f"{p.http_url}/admin/budgets/search", json={"monthly_amount": 0.000001}, headers=admin,
                      timeout=30)
     assert resp.status_code == 200, resp.text
+    # keep one replica warm: the warm-buffer page then shows the target and what it costs per day
+    resp = httpx.put(f"{p.http_url}/admin/warm-buffers/{MODEL}/1", headers=admin, timeout=30, json={
+        "min_idle_replicas": 1, "min_replicas": 1, "max_replicas": 2, "slo_ttft_ms_p95": 3000, "slo_tokens_per_s": 10})
+    assert resp.status_code == 200, resp.text
     deadline = time.monotonic() + 90
     while _usage_rows(p) < rows_before + sent and time.monotonic() < deadline:
         time.sleep(1)
