@@ -1,4 +1,5 @@
-"""What a finished request leaves behind: Prometheus counters and one usage event (DESIGN.md §6)."""
+"""What a finished request leaves behind: Prometheus counters and one usage event
+(docs/architecture.md, Usage events)."""
 from __future__ import annotations
 
 import logging

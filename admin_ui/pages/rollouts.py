@@ -5,6 +5,7 @@ import pandas as pd
 import streamlit as st
 
 from admin_ui import charts, charts_history, data, session, url_state, usage_data
+from registry import queries
 
 WINDOWS_H = {"1 h": 1, "6 h": 6, "24 h": 24, "7 d": 168}
 
@@ -81,7 +82,7 @@ if session.is_operator():
                                                      value=int(split.get(v, 0)), key=f"split_{model}_{v}"))
                          for i, v in enumerate(routable)}
             box = st.container()
-            problems = data.validate_split(new_split, routable)
+            problems = queries.split_problems(new_split, routable)
             new = {v: p for v, p in new_split.items() if p}
             if problems:
                 box.error("Not possible: " + "; ".join(problems))
