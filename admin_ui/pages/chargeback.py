@@ -6,7 +6,7 @@ import datetime as dt
 
 import streamlit as st
 
-from admin_ui import charts_history, chargeback_data as cd, session, url_state
+from admin_ui import charts_history, chargeback_data as cd, session, url_state, usage_data
 
 ALL = "(all)"
 session.require_login()
@@ -117,6 +117,12 @@ with right:
             st.dataframe(hours, hide_index=True, width="stretch", column_config={
                 "share": st.column_config.ProgressColumn("share", min_value=0.0, max_value=1.0, format="percent"),
                 "gpu_hours": st.column_config.NumberColumn("GPU-hours", format="%.3f")})
+
+with st.expander(f"Prices used ({currency} per 1M tokens)"):
+    prices = session.safe("prices (usage store)", usage_data.prices)
+    if prices is not None:
+        st.dataframe(prices, hide_index=True, width="stretch")
+        st.caption('The "\\*" row prices every model without a row of its own; set with `fleet usage prices --set`.')
 
 st.subheader("Export")
 lines = session.safe("line items (usage store)", cd.export_frame, filters, currency)
