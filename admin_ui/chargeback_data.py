@@ -123,8 +123,11 @@ def budget_status(now: dt.datetime, currency: str, path=None, db_url: str | None
 
 
 def gpu_hours(f: Filters, path=None) -> pd.DataFrame:
-    """GPU-hours by team over the range, idle hours as team '(idle)', with each team's share."""
-    return chargeback.gpu_hours_by_team(store_path(path), f.since, f.until_exclusive, team=f.equal.get("team"))
+    """GPU-hours by team over the range (the days and team filters; GPU time has no tier or caller), idle hours
+    as team '(idle)' and always listed, so the fleet's idle share stays visible when one team is chosen."""
+    every = chargeback.gpu_hours_by_team(store_path(path), f.since, f.until_exclusive)
+    team = f.equal.get("team")
+    return every if team is None else every[every["team"].isin([team, chargeback.IDLE_TEAM])].reset_index(drop=True)
 
 
 def export_frame(f: Filters, currency: str, path=None) -> pd.DataFrame:

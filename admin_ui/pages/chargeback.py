@@ -113,7 +113,8 @@ with right:
             st.info("No GPU-hours recorded for these days (`fleet usage gpu-hours` or the autoscaler record them).")
         else:
             idle = float(hours.loc[hours["team"] == "(idle)", "share"].sum())
-            st.caption(f"Idle share: **{idle:.1%}** of the GPU-hours had no traffic (team `(idle)`).")
+            st.caption(f"Idle share: **{idle:.1%}** of the fleet's GPU-hours had no traffic (team `(idle)`). "
+                       "GPU-hours follow the days and team filters only.")
             st.dataframe(hours, hide_index=True, width="stretch", column_config={
                 "share": st.column_config.ProgressColumn("share", min_value=0.0, max_value=1.0, format="percent"),
                 "gpu_hours": st.column_config.NumberColumn("GPU-hours", format="%.3f")})
