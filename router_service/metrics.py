@@ -37,6 +37,9 @@ CANCELS = Counter("fleet_router_cancels_total", "Requests cancelled (disconnect,
                   ["model", "how"])
 PREEMPTIONS = Counter("fleet_router_preemptions_total", "Batch streams paused for interactive work and re-queued "
                       "(FLEET_ROUTER_BATCH_YIELD=preempt)", ["model"])
+LORA_WEIGHT_SENDS = Counter("fleet_router_lora_weight_sends_total", "Requests on which the router asked a replica "
+                            "to attach LoRA weights: first use there, or resent after the backend's not-cached "
+                            "answer", ["replica", "reason"])
 REPLICA_KV = Gauge("fleet_router_replica_kv_utilisation", "Share of a replica's KV-cache blocks in use (0..1), from "
                    "its latest fresh state report", ["replica", "model", "version"])
 REPLICA_WAITING = Gauge("fleet_router_replica_waiting", "Requests waiting inside a replica's engine, from its "
