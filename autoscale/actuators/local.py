@@ -225,10 +225,13 @@ _PENDING = re.compile(r'^nv_inference_pending_request_count\{[^}]*\}\s+([0-9.eE+
 
 
 def engine_threads() -> int:
-    """Torch threads each local engine replica runs: FLEET_ENGINE_THREADS, else the engine model's
-    config.pbtxt `threads` parameter (what python_backends/engine reads), else 2."""
-    if os.environ.get("FLEET_ENGINE_THREADS", "").isdigit():
-        return max(1, int(os.environ["FLEET_ENGINE_THREADS"]))
+    """Torch threads each local engine replica runs: FLEET_ENGINE_THREADS (the engine's own override, read
+    through its settings), else the engine model's config.pbtxt `threads` parameter, else 2."""
+    from python_backends.engine.config import engine_overrides
+
+    override = engine_overrides().get("threads")
+    if override:
+        return max(1, int(override))
     try:
         text = (REPO_ROOT / "model_repository" / "engine" / "config.pbtxt").read_text()
     except OSError:
