@@ -3,6 +3,7 @@ admission queues, and the local actuator's CPU budget."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import replace
@@ -111,7 +112,7 @@ def test_controller_adds_capacity_for_queued_batch_work() -> None:
     assert actuator.calls and actuator.calls[-1] >= 2
 
 
-def test_local_actuator_keeps_replicas_within_the_cpu_budget(tmp_path, monkeypatch) -> None:
+def test_local_actuator_keeps_replicas_within_the_cpu_budget(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("FLEET_DATA_DIR", str(tmp_path))
     monkeypatch.setenv("FLEET_ENGINE_THREADS", "2")
     settings = load_settings()
@@ -121,7 +122,9 @@ def test_local_actuator_keeps_replicas_within_the_cpu_budget(tmp_path, monkeypat
     pool = PoolSpec("m", "1")
     spec = ReplicaSpec("m", "1", 0)
     actuator.replicas[spec.replica_id] = LocalReplica(spec, pool, state="serving")
-    actuator.scale(pool, 2)  # logs "CPU budget allows 0 more" and starts nothing
+    with caplog.at_level(logging.WARNING):
+        actuator.scale(pool, 2)
     assert actuator.counts(pool).total == 1  # no second replica on the same two cores
+    assert "CPU budget allows 0 more" in caplog.text
     assert LocalActuator(settings, cpu_cores=2, cpu_budget=False).max_replicas is None
     assert LocalActuator(settings, cpu_cores=8).max_replicas == 4
