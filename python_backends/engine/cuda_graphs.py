@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from python_backends.engine.model_runner import ForwardBatch, ModelRunner
+from python_backends.engine.batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +27,8 @@ def buckets_for(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: "ModelRunner", max_batch: int):
-        from python_backends.engine.model_runner import ForwardBatch
+    def __init__(self, runner: Any, max_batch: int):
+        """runner: the ModelRunner whose forward_eager is captured."""
         self.runner = runner
         dev = runner.device
         self.max_batch = max_batch
@@ -68,7 +67,7 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, batch: "ForwardBatch") -> torch.Tensor | None:
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Replay the smallest bucket that holds this decode step; None if none does (caller runs eagerly)."""
         n = batch.n_decode
         b = self.bucket(n)
