@@ -1,4 +1,4 @@
-"""Streaming calls from the router to one Triton replica's decoupled ensemble `llm` (DESIGN.md §4)."""
+"""Streaming calls from the router to one Triton replica's decoupled ensemble `llm`."""
 from __future__ import annotations
 
 import asyncio
@@ -83,7 +83,7 @@ class ReplicaClient:
         await self.client.close()
 
     async def generate(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int,
-                       handle: CancelHandle | None = None) -> AsyncIterator[TokenDelta | Finished]:
+                       handle: CancelHandle | None = None, seed_offset: int = 0) -> AsyncIterator[TokenDelta | Finished]:
         """Stream deltas then one Finished; raises ReplicaFailed if the replica breaks the stream.
 
         Closing this generator early (caller cancel) cancels the upstream call, so the engine frees the
@@ -91,6 +91,9 @@ class ReplicaClient:
         this generator then ends with a Finished(`cancelled`).
         """
         done = asyncio.Event()
+        parameters = {"llm_priority": TIER_INDEX[req.tier], "deadline_ms": int(req.deadline_ms or 0)}
+        if seed_offset:  # a resumed seeded stream: the engine continues the random stream at this step
+            parameters["seed_offset"] = seed_offset
 
         async def requests():
             yield {
@@ -98,7 +101,7 @@ class ReplicaClient:
                 "inputs": build_inputs(req, prompt_ids, max_tokens),
                 "outputs": [InferRequestedOutput(name) for name in OUTPUTS],
                 "request_id": req.request_id,
-                "parameters": {"llm_priority": TIER_INDEX[req.tier], "deadline_ms": int(req.deadline_ms or 0)},
+                "parameters": parameters,
             }
             await done.wait()  # keep our side open until the replica has sent its last response
 

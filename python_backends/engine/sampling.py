@@ -30,5 +30,5 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             sorted_x = sorted_x.masked_fill(drop, float("-inf"))
             x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
         probs = torch.softmax(x, dim=-1)
-        out[row] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
+        out[row] = int(torch.multinomial(probs, 1, generator=seq.step_generator()).item())
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -42,6 +43,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0               # 0 = off
     seed: int | None = None
+    # Output tokens a previous replica already generated for this request (the router resumes a broken
+    # stream with prompt + those tokens): sampling step k of this sequence uses the random stream of step
+    # seed_offset + k, so a seeded stream resumed elsewhere continues where it stopped.
+    seed_offset: int = 0
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
 
@@ -51,6 +56,15 @@ class SamplingParams:
 
 
 _ids = itertools.count(1)
+_M64 = (1 << 64) - 1
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A well-mixed 63-bit seed for sampling step `step` of a request seeded with `seed` (splitmix64)."""
+    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
 class Sequence:
@@ -81,10 +95,16 @@ class Sequence:
         self.preemptions = 0
         self.num_emitted = 0             # output tokens already handed to the caller
         self.generator: torch.Generator | None = None
+        self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         if not params.greedy:
             self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(
-                __import__("os").urandom(8), "little") & ((1 << 63) - 1))
+
+    def step_generator(self) -> torch.Generator:
+        """The generator for the next sampled token, seeded from (seed, seed_offset + output tokens so far):
+        the random stream is a function of the step, not of how many draws this process made."""
+        assert self.generator is not None, "greedy sequences do not sample"
+        self.generator.manual_seed(step_seed(self.seed, self.params.seed_offset + self.num_output))
+        return self.generator
 
     # ------------------------------------------------------------------ views
     @property
