@@ -58,6 +58,7 @@ class UsageProducer:
         self.send_failures = 0  # batches that failed and were retried from the spool
         self.replayed = 0       # acknowledged events sent again after a failure (see REPLAY_WINDOW_S)
         self.last_error: str | None = None
+        self.ack_failures = 0   # acknowledged positions that could not be written (disk full)
 
     # ---- request path ---------------------------------------------------------------------------
     def emit(self, event: UsageEvent) -> None:
@@ -137,7 +138,12 @@ class UsageProducer:
                 continue
             backoff = 0.2
             self.sent += len(batch)
-            self.spool.ack(batch[-1].end, len(batch))
+            try:
+                self.spool.ack(batch[-1].end, len(batch))
+            except OSError as exc:  # e.g. ENOSPC for the ack file: the position is kept in memory, the next ack persists it
+                self.ack_failures += 1
+                log.error("usage spool: could not persist the acknowledged position (%s); a restart now would "
+                          "resend up to %d events, which the loader de-duplicates", exc, len(batch))
 
     def _send(self, batch) -> None:
         if self._kafka is None:

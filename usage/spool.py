@@ -152,12 +152,8 @@ class Spool:
         with self._lock:
             self._pending -= count
         self._acked = pos
-        tmp = self.dir / "ack.tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{pos.segment} {pos.offset}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / "ack")
+        # Delete acknowledged segments before writing the ack file: it frees the space that file needs
+        # on a full disk, and a crash in between only finds segments missing that were already delivered.
         removed = False
         keep_from = self._history[0][1].segment if self._history else pos.segment
         for seg in self.segments():
@@ -166,6 +162,12 @@ class Spool:
                 removed = True
         if removed:
             self._fsync_dir()
+        tmp = self.dir / "ack.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{pos.segment} {pos.offset}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.dir / "ack")
 
     def rewind(self) -> int:
         """Make the records acknowledged within the replay window pending again; returns how many.
