@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-from fleet.settings import load_settings
+from common.settings import load_settings
 from registry import queries
 from registry.db import session_scope
 from registry.warm_buffers import warm_buffer_problems

@@ -13,7 +13,7 @@ from typing import Any
 import streamlit as st
 
 from admin_ui.router_client import AdminApiError, RouterClient, RouterDown, role_from_token_files
-from fleet.settings import Settings, load_settings
+from common.settings import Settings, load_settings
 
 ROLES = ("operator", "viewer")
 

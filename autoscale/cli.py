@@ -12,7 +12,7 @@ import signal
 import time
 from pathlib import Path
 
-from fleet.settings import REPO_ROOT
+from common.settings import REPO_ROOT
 
 log = logging.getLogger("autoscale")
 
@@ -100,7 +100,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_autoscale_run(args: argparse.Namespace) -> int:
     from autoscale.controller import Controller, pools_from_registry
-    from fleet.settings import load_settings
+    from common.settings import load_settings
 
     settings = load_settings()
     pools = [p for p in pools_from_registry(settings.db_url, settings.region) if args.model in (None, p.spec.model)]
@@ -134,7 +134,7 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fleet.logs import setup_logging
+    from common.logs import setup_logging
 
     setup_logging("autoscale")
     parser = argparse.ArgumentParser(prog="python -m autoscale.cli")

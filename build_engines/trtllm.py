@@ -31,9 +31,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from fleet.settings import REPO_ROOT, Settings
+from common.settings import REPO_ROOT, Settings
 
 from build_engines import stage, triton_repo
+from build_engines.layout import BuildResult, artefacts_ok, clean_stale_partials, store_uri, version_dir
 from build_engines.plan import (BuildError, BuildOptions, BuildPlan, inputs_fingerprint, inspect_checkpoint,
                                 precheck_checkpoint, resolve)
 from build_engines.register import Registration, check_existing, read_row
@@ -161,10 +162,8 @@ def _run(cmd: list[str], log: Path, label: str) -> float:
     return time.perf_counter() - t
 
 
-def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str) -> Any:
+def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str) -> BuildResult:
     """Validate, then either print the plan (--dry-run) or run it, stage it and register it."""
-    from build_engines.build import BuildResult, store_uri, version_dir
-
     if precheck_checkpoint(opts.checkpoint)[0].is_file():
         raise BuildError("--checkpoint", "the trtllm target needs a Hugging Face folder (safetensors); GGUF "
                                          "checkpoints are only taken by the cpu target")
@@ -200,10 +199,8 @@ def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str) -> Any:
 
 
 def _run_build(opts: BuildOptions, settings: Settings, db_url: str, ckpt: Any, plan: BuildPlan, vdir: Path,
-               work: Path, tp_plan: TrtllmPlan, uri: str) -> Any:
+               work: Path, tp_plan: TrtllmPlan, uri: str) -> BuildResult:
     """The real TensorRT-LLM build (GPU node), under the version's lock."""
-    from build_engines.build import BuildResult, artefacts_ok, clean_stale_partials
-
     clean_stale_partials(vdir, uri)
     sha = stage.checkpoint_sha256(ckpt.path, settings.cache_dir / "checksums.json")
     fields = plan.fingerprint_fields(sha)

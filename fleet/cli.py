@@ -5,8 +5,8 @@ import argparse
 import importlib
 import inspect
 
-from fleet.logs import setup_logging
-from fleet.settings import load_settings
+from common.logs import setup_logging
+from common.settings import load_settings
 
 # Component command groups: module path -> each provides `register(subparsers)`.
 COMPONENT_COMMANDS = ("usage.cli", "autoscale.cli")

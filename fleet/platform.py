@@ -15,11 +15,11 @@ import urllib.request
 from rich.console import Console
 from rich.table import Table
 
-from fleet import processes
-from fleet.replicas import ReplicaSpec, start_replica, stop_replica
+from common import processes
+from autoscale.actuators.replicas import ReplicaSpec, start_replica, stop_replica
 from fleet.seed import DEFAULT_MODEL, DEFAULT_VERSION, seed
-from fleet.services import start_tansu
-from fleet.settings import REPO_ROOT, Settings
+from common.services import start_tansu
+from common.settings import REPO_ROOT, Settings
 from registry.db import migrate
 
 log = logging.getLogger(__name__)

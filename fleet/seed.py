@@ -6,7 +6,7 @@ import json
 import secrets
 import shutil
 
-from fleet.settings import REPO_ROOT, Settings
+from common.settings import REPO_ROOT, Settings
 from registry import queries
 from registry.db import session_scope
 from registry.schema import WarmBuffer

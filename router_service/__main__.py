@@ -8,8 +8,8 @@ import signal
 
 import uvicorn
 
-from fleet.logs import setup_logging
-from fleet.settings import load_settings
+from common.logs import setup_logging
+from common.settings import load_settings
 from router_service.core import Router
 from router_service.grpc_frontend import start_grpc_server
 from router_service.http_frontend import create_app

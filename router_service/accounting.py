@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from router_service import metrics
-from router_service.request import Finished
+from router_service.request import Finished, Prepared
 from usage.events import UsageEvent
-
-if TYPE_CHECKING:
-    from router_service.core import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +26,7 @@ class UsageLedgerEntry:
         self.ledger.close(self.slot)
 
 
-def open_ledger_entry(producer, p: "Prepared") -> UsageLedgerEntry | None:
+def open_ledger_entry(producer, p: Prepared) -> UsageLedgerEntry | None:
     ledger = getattr(producer, "ledger", None)
     if ledger is None:
         return None
@@ -45,7 +41,7 @@ def open_ledger_entry(producer, p: "Prepared") -> UsageLedgerEntry | None:
     return UsageLedgerEntry(ledger, slot)
 
 
-def _event(p: "Prepared", finish: Finished | None, status: str, reason: str, completion_tokens: int,
+def _event(p: Prepared, finish: Finished | None, status: str, reason: str, completion_tokens: int,
            first_token_at: float | None, replica_id: str) -> UsageEvent:
     req, now = p.req, time.monotonic()
     return UsageEvent(
@@ -57,7 +53,7 @@ def _event(p: "Prepared", finish: Finished | None, status: str, reason: str, com
         duration_ms=round((now - p.arrived) * 1000, 3), finish_reason=reason, status=status)
 
 
-def account(producer, p: "Prepared", finish: Finished | None, status: str, completion_tokens: int,
+def account(producer, p: Prepared, finish: Finished | None, status: str, completion_tokens: int,
             first_token_at: float | None, replica_id: str, entry: UsageLedgerEntry | None = None) -> None:
     """Count the request in the metrics and spool its usage event, then free its ledger entry (never
     raises: metering must not break serving)."""

@@ -13,9 +13,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
 
-from fleet.hashing import prefix_block_hashes
 from router_service import metrics
 from router_service.accounting import account, open_ledger_entry
 from router_service.admission import AdmissionQueue
@@ -27,7 +25,7 @@ from router_service.regions import candidate_tiers, home_region
 from router_service.registry_cache import CallerInfo, ModelInfo, RegistryCache, ReplicaInfo
 from router_service.replica_choice import ChoiceParams, Placement, ReplicaChooser
 from router_service.replica_state import ReplicaStateTable
-from router_service.request import TIERS, Finished, GenerateRequest, TokenDelta
+from router_service.request import TIERS, Finished, GenerateRequest, Prepared, TokenDelta
 from router_service.rollout import pick_version
 from router_service.stream_guard import DeadlineReached, ReplicaHung, ResumeText, StreamTimeouts, guarded
 from router_service.tokenization import TokenizerCache
@@ -39,27 +37,6 @@ MAX_ATTEMPTS = 3
 # it may be what kills them (a poison request), and each try would take another replica down.
 MAX_REPLICA_KILLS = 2
 INLINE_TOKENIZE_CHARS = 2000
-
-
-@dataclass
-class Prepared:
-    req: GenerateRequest
-    caller: CallerInfo
-    model: ModelInfo
-    prompt_ids: list[int]
-    arrived: float = field(default_factory=time.monotonic)
-    home: str = "local"
-    quota_reserved: int = 0
-    placement: Placement | None = None
-    handle: CancelHandle | None = None
-    started: bool = False
-    _hashes: dict[tuple[int, int], list[int]] = field(default_factory=dict)
-
-    def hashes(self, ids: list[int], block_size: int) -> list[int]:
-        key = (len(ids), block_size)
-        if key not in self._hashes:
-            self._hashes[key] = prefix_block_hashes(ids, block_size)
-        return self._hashes[key]
 
 
 class Router:

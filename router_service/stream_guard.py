@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from fleet.text import IncrementalDetokenizer
+from common.text import IncrementalDetokenizer
 from router_service.request import TIERS, Finished, TokenDelta
 from router_service.upstream import ReplicaFailed
 

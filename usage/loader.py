@@ -301,7 +301,7 @@ class UsageLoader:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fleet.settings import load_settings
+    from common.settings import load_settings
     settings = load_settings()
     parser = argparse.ArgumentParser(prog="python -m usage.loader", description=__doc__.split("\n\n")[0])
     add_load_arguments(parser, settings)

@@ -1,6 +1,6 @@
 """Local actuator: starts and stops real `tritonserver` replicas on this machine (what `make up` uses).
 
-Scale-up: `fleet.replicas.start_replica` in a background thread (Triton on the model version's
+Scale-up: `autoscale.actuators.replicas.start_replica` in a background thread (Triton on the model version's
 rendered repository, registered `starting` then `serving`, recorded in the run dir so `make down`
 stops it); the measured start->ready time feeds the cold-start estimate.
 Scale-down: mark the replica `draining` in the registry (routers stop admitting to it), wait until
@@ -21,8 +21,8 @@ import numpy as np
 
 from autoscale.actuators import PoolSpec, ReplicaCounts
 from autoscale.signals import replica_inflight
-from fleet.replicas import ReplicaSpec, replica_base_port, start_replica, stop_replica
-from fleet.settings import Settings
+from autoscale.actuators.replicas import ReplicaSpec, replica_base_port, start_replica, stop_replica
+from common.settings import Settings
 from registry.db import session_scope
 from registry.queries import list_replicas, set_replica_state
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from autoscale.actuators import PoolSpec  # noqa: E402
 from autoscale.actuators.local import LocalActuator  # noqa: E402
 from autoscale.controller import Controller, PoolConfig  # noqa: E402
-from fleet.logs import setup_logging  # noqa: E402
+from common.logs import setup_logging  # noqa: E402
 from fleet.seed import DEFAULT_MODEL, DEFAULT_VERSION  # noqa: E402
 
 PROMPTS = ["Explain what a GPU is in one sentence.", "Name three colours of the rainbow.",

@@ -14,7 +14,7 @@ import pytest
 
 from autoscale.actuators import PoolSpec
 from autoscale.actuators.local import LocalActuator
-from fleet import processes
+from common import processes
 from fleet.seed import DEFAULT_MODEL, DEFAULT_VERSION
 from registry.db import session_scope
 from registry.queries import list_replicas

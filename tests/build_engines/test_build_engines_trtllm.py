@@ -18,7 +18,7 @@ from build_engines import trtllm
 from build_engines.build import build
 from build_engines.plan import BuildError, inspect_checkpoint, parse_options, resolve
 from build_engines.triton_repo import TEMPLATES
-from fleet.settings import Settings
+from common.settings import Settings
 
 SPEC = json.loads((Path(__file__).parent / "trtllm_cli_spec.json").read_text())
 

@@ -15,9 +15,9 @@ import time
 import pytest
 import tritonclient.grpc.aio as grpcaio
 
-from fleet.processes import free_port, stop_pid
-from fleet.services import start_tansu
-from fleet.settings import load_settings
+from common.processes import free_port, stop_pid
+from common.services import start_tansu
+from common.settings import load_settings
 from tests.integration.router_client import CHATML, stream_once
 from tests.integration.router_stack import RouterStack
 from usage import store

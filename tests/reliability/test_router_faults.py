@@ -17,7 +17,7 @@ import pytest
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.grpc import InferInput, InferRequestedOutput
 
-from fleet.text import REPLACEMENT_CHAR, load_tokenizer
+from common.text import REPLACEMENT_CHAR, load_tokenizer
 from tests.integration.router_client import CHATML, build_inputs, stream_once
 from tests.integration.router_stack import RouterStack
 

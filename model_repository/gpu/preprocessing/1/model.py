@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from fleet.text import load_tokenizer
+from common.text import load_tokenizer
 
 DEFAULT_MAX_TOKENS = 256
 

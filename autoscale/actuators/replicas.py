@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleet import processes
-from fleet.services import replica_ports, start_triton
-from fleet.settings import Settings
+from common import processes
+from common.services import replica_ports, start_triton
+from common.settings import Settings
 from registry import queries
 from registry.db import session_scope
 
