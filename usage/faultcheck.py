@@ -196,7 +196,7 @@ def broker_outage(settings: Settings, work_dir: Path, outage_s: float, mode: str
         emitted = emitter.stop()
         drained = producer.flush(drain_timeout_s)
         t_drained = time.monotonic() - t_back
-        wait_stored(store_path, prefix, emitted, drain_timeout_s)
+        _, ids = wait_stored(store_path, prefix, emitted, drain_timeout_s)
         emitted_ids = {f"{prefix}-{i}" for i in range(emitted)}
         # Were any lost, they would be events the in-memory broker acknowledged before the stop and the loader
         # had not read (the producer's replay window exists to cover exactly those).
