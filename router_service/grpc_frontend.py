@@ -103,6 +103,10 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         """Each request on the stream runs concurrently; responses are interleaved as they come. A request's
         error is sent in-band and ends only that request."""
         api_key = _api_key(context)
+        try:
+            self.router.authenticate(api_key)  # the key belongs to the stream: a bad one ends the whole stream
+        except RouterError as exc:
+            await _abort(context, exc)
         queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE_ITEMS)
         tasks: set[asyncio.Task] = set()
 
@@ -162,10 +166,12 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 def _stream_error(request: pb.ModelInferRequest, exc: RouterError) -> pb.ModelStreamInferResponse:
     """One request's error on a stream, in-band: the stream and its other requests go on."""
     rid = request.id or "(no id)"
-    return pb.ModelStreamInferResponse(
-        error_message=f"request {rid}: {exc.grpc_status.name}: {exc.message}",
-        infer_response=pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version,
-                                             id=request.id))
+    retry = f" (retry after {exc.retry_after_ms} ms)" if exc.retry_after_ms is not None else ""
+    resp = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version, id=request.id)
+    if exc.retry_after_ms is not None:
+        resp.parameters["retry_after_ms"].int64_param = exc.retry_after_ms
+    return pb.ModelStreamInferResponse(error_message=f"request {rid}: {exc.grpc_status.name}: {exc.message}{retry}",
+                                       infer_response=resp)
 
 
 async def start_grpc_server(router: Router, host: str, port: int) -> grpc.aio.Server:

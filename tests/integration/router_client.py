@@ -1,6 +1,7 @@
 """Async KServe streaming client helpers for the router tests and bench/router (stock tritonclient aio)."""
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -10,6 +11,8 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException
 
+IN_BAND_ERROR = re.compile(r"request [^:]*: ([A-Z_]+): ")
+RETRY_AFTER = re.compile(r"\(retry after (\d+) ms\)$")
 CHATML = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -62,8 +65,12 @@ async def stream_once(client: grpcaio.InferenceServerClient, model: str, prompt:
     stream = client.stream_infer(requests(), headers={"authorization": f"Bearer {api_key}"})
     try:
         async for result, error in stream:
-            if error is not None:
-                out.error, out.error_message = "ERROR", str(error)
+            if error is not None:  # in-band: "request <id>: <STATUS>: <message>[ (retry after N ms)]"
+                out.error_message = str(error)
+                found = IN_BAND_ERROR.search(out.error_message)
+                out.error = found.group(1) if found else "ERROR"
+                retry = RETRY_AFTER.search(out.error_message)
+                out.retry_after_ms = int(retry.group(1)) if retry else None
                 break
             out.response_id = out.response_id or result.get_response().id
             ids = result.as_numpy("output_ids").reshape(-1).tolist()
