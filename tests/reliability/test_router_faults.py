@@ -24,13 +24,16 @@ from tests.integration.router_stack import RouterStack
 pytestmark = pytest.mark.integration
 MODEL = "smollm2-135m"
 INTER_TOKEN_S = 3.0
+SLOW_READER_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     s = RouterStack.start(tmp_path_factory.mktemp("reliability"), replicas=3, engine_env={"FLEET_ENGINE_DTYPE": "fp32"},
                           router_env={"FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S": "20",
-                                      "FLEET_ROUTER_INTER_TOKEN_TIMEOUT_S": str(INTER_TOKEN_S)})
+                                      "FLEET_ROUTER_INTER_TOKEN_TIMEOUT_S": str(INTER_TOKEN_S),
+                                      "FLEET_ROUTER_STREAM_QUEUE": "8",
+                                      "FLEET_ROUTER_SLOW_READER_TIMEOUT_S": str(SLOW_READER_S)})
     yield s
     for rid in s.replica_ids:  # never leave a stopped process behind
         _cont(s, rid)
@@ -190,6 +193,42 @@ def test_seeded_sampled_stream_resumes_the_same_random_stream(stack):
         assert out.ids == reference.ids and out.text == reference.text
     finally:
         _restore(stack, stopped)
+
+
+def test_a_reader_that_stops_reading_is_bounded_and_frees_its_replica_slot(stack):
+    # A tiny HTTP/2 receive window (no BDP growth): the router's sends block after a few responses.
+    args = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+
+    async def main():
+        client = grpcaio.InferenceServerClient(stack.grpc_url, channel_args=args)
+        release = asyncio.Event()
+
+        async def requests():
+            yield {"model_name": MODEL, "inputs": build_inputs(CHATML.format(q="Write a very long story."), 400),
+                   "outputs": [InferRequestedOutput(n) for n in ("text_output", "output_ids", "finish_reason", "usage")],
+                   "request_id": "slow-reader"}
+            await release.wait()
+        stream = client.stream_infer(requests(), headers={"authorization": f"Bearer {stack.api_key}"})
+        first, error = await anext(stream)  # the call is running; from now on this caller reads nothing
+        assert error is None
+        stalled_at = time.monotonic()
+        while time.monotonic() - stalled_at < 60 and any(r["inflight"] for r in stack.fleet()["replicas"]):
+            await asyncio.sleep(0.2)
+        freed_after = time.monotonic() - stalled_at
+        busy = [r["replica_id"] for r in stack.fleet()["replicas"] if r["inflight"]]
+        tokens, errors = 0, []
+        async for result, error in stream:  # read on: what was queued, then the request's in-band error
+            if error is not None:
+                errors.append(str(error))
+                break
+            tokens += len(result.as_numpy("output_ids").reshape(-1))
+        release.set()
+        await client.close()
+        return freed_after, busy, tokens, errors
+    freed_after, busy, tokens, errors = asyncio.run(asyncio.wait_for(main(), 90))
+    assert not busy and freed_after < 40, (busy, freed_after)  # the slot was freed while the caller slept
+    assert errors and "RESOURCE_EXHAUSTED" in errors[0] and "read no response" in errors[0], errors
+    assert tokens < 200  # generation stopped early: what was queued, not the whole answer
 
 
 def test_a_request_that_took_two_replicas_down_is_not_tried_on_a_third(stack):
