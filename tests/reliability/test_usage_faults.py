@@ -74,24 +74,30 @@ def test_bad_length_in_a_finished_segment_does_not_wedge_the_reader(tmp_path, ca
     sp.close()
 
 
-def test_event_the_store_cannot_hold_goes_to_the_dlq(kafka_bootstrap, tmp_path, topic, make_event):
-    good, bad = make_event(), make_event(ts=1e300)  # schema-valid; ts * 1000 overflows the store's BIGINT
-    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
-    producer.send(topic, key=b"alice", value=bad.to_json_bytes())
-    producer.send(topic, key=b"alice", value=good.to_json_bytes())
+def _produce_and_load(bootstrap: str, store_path, topic: str, events) -> UsageLoader:
+    """Send the events to the real broker, then run the real loader until it consumed them all."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    for ev in events:
+        producer.send(topic, key=b"alice", value=ev.to_json_bytes())
     producer.flush()
     producer.close()
-    loader = UsageLoader(kafka_bootstrap, tmp_path / "u.duckdb", topic=topic, group_id=f"g-{topic}",
-                         dlq_topic=topic + ".dlq")
+    loader = UsageLoader(bootstrap, store_path, topic=topic, group_id=f"g-{topic}", dlq_topic=topic + ".dlq")
     try:
         consumed = 0
         for _ in range(20):
             consumed += loader.run_once(2.0)
-            if consumed >= 2:
+            if consumed >= len(events):
                 break
     finally:
         loader.close()
-    assert consumed == 2 and loader.stats["rejected"] == 1 and loader.stats["inserted"] == 1, loader.stats
+    assert consumed == len(events), loader.stats
+    return loader
+
+
+def test_event_the_store_cannot_hold_goes_to_the_dlq(kafka_bootstrap, tmp_path, topic, make_event):
+    good, bad = make_event(), make_event(ts=1e300)  # schema-valid; ts * 1000 overflows the store's BIGINT
+    loader = _produce_and_load(kafka_bootstrap, tmp_path / "u.duckdb", topic, [bad, good])
+    assert loader.stats["rejected"] == 1 and loader.stats["inserted"] == 1, loader.stats
     with store.connect(tmp_path / "u.duckdb", read_only=True) as con:
         assert con.execute("SELECT request_id FROM usage_events").fetchall() == [(good.request_id,)]
         (reason,) = con.execute("SELECT reason FROM usage_rejects").fetchall()[0]
@@ -109,21 +115,7 @@ def test_store_refusal_of_one_row_dead_letters_only_that_row(kafka_bootstrap, tm
     import usage.loader as loader_mod
     monkeypatch.setattr(loader_mod, "MAX_TS", float("inf"))  # let ts=1e300 reach the store
     events = [make_event(), make_event(ts=1e300), make_event()]
-    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
-    for ev in events:
-        producer.send(topic, key=b"alice", value=ev.to_json_bytes())
-    producer.flush()
-    producer.close()
-    loader = UsageLoader(kafka_bootstrap, tmp_path / "u.duckdb", topic=topic, group_id=f"g-{topic}",
-                         dlq_topic=topic + ".dlq")
-    try:
-        consumed = 0
-        for _ in range(20):
-            consumed += loader.run_once(2.0)
-            if consumed >= 3:
-                break
-    finally:
-        loader.close()
+    loader = _produce_and_load(kafka_bootstrap, tmp_path / "u.duckdb", topic, events)
     assert loader.stats["inserted"] == 2 and loader.stats["rejected"] == 1, loader.stats
     with store.connect(tmp_path / "u.duckdb", read_only=True) as con:
         ids = {r[0] for r in con.execute("SELECT request_id FROM usage_events").fetchall()}
