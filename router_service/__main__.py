@@ -3,22 +3,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 
 import uvicorn
 
 from common.logs import setup_logging
-from common.settings import load_settings
+from common.settings import Settings, load_from_env, load_settings
 from router_service.core import Router
 from router_service.grpc_frontend import start_grpc_server
 from router_service.http_frontend import create_app
 from router_service.registry_cache import RegistryCache
+from router_service.settings import RouterSettings
 from usage.producer import UsageProducer
 
 
-def parse_args() -> argparse.Namespace:
-    s = load_settings()
+def parse_args(s: Settings, rs: RouterSettings) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m router_service",
                                  description="The platform's front door: authenticates callers, picks model version "
                                              "and replica, streams tokens, meters usage.")
@@ -27,37 +26,31 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--grpc-port", type=int, default=s.router_grpc_port, help="KServe v2 gRPC port")
     ap.add_argument("--db-url", default=s.db_url, help="registry database URL (FLEET_DB_URL)")
     ap.add_argument("--kafka", default=s.kafka_bootstrap, help="Kafka bootstrap servers for usage events")
-    ap.add_argument("--max-waiting", type=int, default=int(os.environ.get("FLEET_ROUTER_MAX_WAITING", 256)),
+    ap.add_argument("--max-waiting", type=int, default=rs.max_waiting,
                     help="admission queue bound per model version (FLEET_ROUTER_MAX_WAITING)")
     ap.add_argument("--no-usage", action="store_true", help="do not meter usage (benchmarks only)")
     return ap.parse_args()
 
 
-def admin_tokens() -> dict[str, str]:
-    """token -> role, from env or the data dir's token files (written by `fleet seed`)."""
-    s = load_settings()
-    tokens = {}
-    for role, env, path in (("operator", "FLEET_ADMIN_TOKEN", s.admin_token_file),
-                            ("viewer", "FLEET_VIEWER_TOKEN", s.viewer_token_file)):
-        token = os.environ.get(env) or (path.read_text().strip() if path.exists() else "")
-        if token:
-            tokens[token] = role
+def admin_tokens(s: Settings) -> dict[str, str]:
+    """token -> role; the router refuses to start without an operator token."""
+    tokens = s.admin_tokens()
     if "operator" not in tokens.values():
         raise SystemExit(f"no admin token: set FLEET_ADMIN_TOKEN or create {s.admin_token_file} (`fleet seed` does)")
     return tokens
 
 
-async def serve(args: argparse.Namespace) -> None:
-    log = setup_logging("router")
-    settings = load_settings()
+async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings) -> None:
+    log = setup_logging("router", settings.log_level)
     registry = RegistryCache(args.db_url)
     producer = None if args.no_usage else UsageProducer(args.kafka, settings.spool_dir / "router", settings.usage_topic)
     if producer is not None:
         producer.start()
-    router = Router(registry, producer, region=settings.region, max_waiting=args.max_waiting)
+    router = Router(registry, producer, region=settings.region, choice=rs.choice_params(), gateway=rs.gateway(),
+                    max_waiting=args.max_waiting, batch_yield=rs.batch_yielder(), timeouts=rs.stream_timeouts())
     await asyncio.to_thread(router.gateway.warm_start, settings.usage_db_path)
     grpc_server = await start_grpc_server(router, args.host, args.grpc_port)
-    config = uvicorn.Config(create_app(router, admin_tokens()), host=args.host, port=args.http_port,
+    config = uvicorn.Config(create_app(router, admin_tokens(settings)), host=args.host, port=args.http_port,
                             log_level="warning", lifespan="off")
     http_server = uvicorn.Server(config)
     http_server.install_signal_handlers = lambda: None
@@ -82,7 +75,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    asyncio.run(serve(parse_args()))
+    settings, rs = load_settings(), load_from_env(RouterSettings)  # read once, at start; a bad value stops here
+    asyncio.run(serve(parse_args(settings, rs), settings, rs))
 
 
 if __name__ == "__main__":

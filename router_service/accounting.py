@@ -1,5 +1,5 @@
-"""What a finished request leaves behind: Prometheus counters and one usage event; while it streams, an
-in-flight ledger entry that bills its tokens if the router dies first."""
+"""What a finished request leaves behind: Prometheus counters and one usage event (docs/architecture.md,
+Usage events); while it streams, an in-flight ledger entry that bills its tokens if the router dies first."""
 from __future__ import annotations
 
 import logging

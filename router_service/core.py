@@ -41,7 +41,8 @@ INLINE_TOKENIZE_CHARS = 2000
 
 class Router:
     def __init__(self, registry: RegistryCache, usage_producer=None, region: str = "local",
-                 choice: ChoiceParams | None = None, gateway: Gateway | None = None, max_waiting: int = 256) -> None:
+                 choice: ChoiceParams | None = None, gateway: Gateway | None = None, max_waiting: int = 256,
+                 batch_yield: BatchYield | None = None, timeouts: StreamTimeouts | None = None) -> None:
         self.registry = registry
         self.usage = usage_producer
         self.region = region
@@ -54,8 +55,8 @@ class Router:
         self.queues: dict[str, AdmissionQueue] = {}
         self.max_waiting = max_waiting
         self.requests = InflightRequests()
-        self.batch_yield = BatchYield()
-        self.timeouts = StreamTimeouts.from_env()
+        self.batch_yield = batch_yield or BatchYield()
+        self.timeouts = timeouts or StreamTimeouts()
 
     @property
     def inflight(self) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""Gateway checks per caller: request rate limit and daily token quota (DESIGN.md §3 step 2).
+"""Gateway checks per caller: request rate limit and daily token quota (docs/architecture.md, One request, step 3).
 
 API keys are looked up by their hash in the registry snapshot (`RegistryCache.caller_for_key`); the
 tier and adapter rights are checked in `Router.resolve_model`. This module holds the counters.
@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 from router_service.errors import RouterError
 
 log = logging.getLogger(__name__)
+DEFAULT_RATE_PER_S = 200.0  # requests per second per caller (token bucket refill)
+DEFAULT_BURST = 400.0
 
 
 def _today() -> str:
@@ -39,9 +40,9 @@ class _Bucket:
 
 
 class Gateway:
-    def __init__(self, rate_per_s: float | None = None, burst: float | None = None) -> None:
-        self.rate_per_s = rate_per_s if rate_per_s is not None else float(os.environ.get("FLEET_ROUTER_RATE_LIMIT_RPS", 200))
-        self.burst = burst if burst is not None else float(os.environ.get("FLEET_ROUTER_RATE_LIMIT_BURST", 400))
+    def __init__(self, rate_per_s: float = DEFAULT_RATE_PER_S, burst: float = DEFAULT_BURST) -> None:
+        self.rate_per_s = rate_per_s
+        self.burst = burst
         self.day = _today()
         self.used: dict[str, int] = {}       # caller -> tokens used today (finished requests)
         self.reserved: dict[str, int] = {}   # caller -> tokens reserved by requests in flight

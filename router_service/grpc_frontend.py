@@ -18,7 +18,6 @@ from tritonclient.grpc import service_pb2_grpc
 from router_service.core import Router
 from router_service.errors import RouterError
 from router_service.kserve_codec import decode_request, encode_stream_response, merge_responses
-from router_service.stream_guard import SLOW_READER_TIMEOUT_S, STREAM_QUEUE_ITEMS
 
 log = logging.getLogger(__name__)
 SERVER_NAME = "llm-fleet-router"
@@ -107,15 +106,16 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.router.authenticate(api_key)  # the key belongs to the stream: a bad one ends the whole stream
         except RouterError as exc:
             await _abort(context, exc)
-        queue: asyncio.Queue = asyncio.Queue(maxsize=STREAM_QUEUE_ITEMS)
+        limits = self.router.timeouts
+        queue: asyncio.Queue = asyncio.Queue(maxsize=limits.queue_items)
         tasks: set[asyncio.Task] = set()
 
         async def put(item) -> None:
             try:
-                await asyncio.wait_for(queue.put(item), SLOW_READER_TIMEOUT_S)
+                await asyncio.wait_for(queue.put(item), limits.slow_reader_s)
             except TimeoutError:
-                raise RouterError("resource_exhausted", f"the caller read no response for {SLOW_READER_TIMEOUT_S:g} s "
-                                  f"with {STREAM_QUEUE_ITEMS} waiting: request stopped") from None
+                raise RouterError("resource_exhausted", f"the caller read no response for {limits.slow_reader_s:g} s "
+                                  f"with {limits.queue_items} waiting: request stopped") from None
 
         async def run_one(request: pb.ModelInferRequest) -> None:
             prepared = None

@@ -1,5 +1,5 @@
 """KServe v2 protobuf <-> router types: decode a ModelInferRequest into a GenerateRequest and
-encode streamed deltas as ModelInferResponses (tensor names of DESIGN.md §4)."""
+encode streamed deltas as ModelInferResponses (tensor names: docs/architecture.md, Replica interface)."""
 from __future__ import annotations
 
 import struct

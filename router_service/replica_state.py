@@ -1,4 +1,5 @@
-"""Soft state pushed by replicas every ~200 ms (DESIGN.md §4): load, KV blocks, cached prefix hashes.
+"""Soft state pushed by replicas every ~200 ms: load, KV blocks, cached prefix hashes
+(docs/architecture.md, State reports).
 
 Losing it costs only routing quality: entries older than `stale_after_s` are ignored and the router
 falls back to round-robin with per-replica concurrency caps (see `replica_choice`).
@@ -6,6 +7,9 @@ falls back to round-robin with per-replica concurrency caps (see `replica_choice
 Reports lag by up to one interval, so the router also remembers the prompt blocks it has just sent to a
 replica ("pending" hashes, kept for `pending_ttl_s`): a multi-turn conversation's second turn arriving
 100 ms after the first still lands where its prefix is being cached.
+
+Reports are validated against `ReplicaReport` (common/replica_report.py, the schema the engine builds them
+with: strict types, bounded sizes) before they touch routing state.
 """
 from __future__ import annotations
 
@@ -13,8 +17,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from common.replica_report import DEFAULT_BLOCK_SIZE, ReplicaReport
+
 log = logging.getLogger(__name__)
-DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -40,13 +45,12 @@ class ReplicaStateTable:
         self.pending: dict[str, dict[int, float]] = {}  # replica -> hash -> monotonic time routed
         self.full_snapshots: dict[str, float] = {}       # replica -> monotonic time of its last full snapshot
 
-    def apply(self, report: dict) -> None:
-        replica_id = str(report.get("replica_id") or "")
-        if not replica_id:
-            raise ValueError("replica_id: required in a state report")
-        for key in ("prefix_hashes", "prefix_hashes_added", "prefix_hashes_removed", "adapters_loaded"):
-            if report.get(key) is not None and not isinstance(report[key], list):
-                raise ValueError(f"{key}: must be a list")
+    def apply(self, report: dict | ReplicaReport) -> None:
+        """Take one report (validated against ReplicaReport; pydantic.ValidationError if it does not fit)."""
+        if not isinstance(report, ReplicaReport):
+            report = ReplicaReport.model_validate(report)
+        replica_id = report.replica_id
+        report = report.model_dump()
         now = time.monotonic()
         state = self.states.get(replica_id)
         if state is None or report.get("full_snapshot"):

@@ -1,8 +1,8 @@
 """What keeps one upstream stream honest: first-token and inter-token timeouts (a hung replica never
 hangs its caller), the caller's deadline while waiting on a replica, and exact text across a resume.
 
-Timeouts per tier come from the environment, as `interactive=15,standard=30,batch=60` or one number for
-every tier:
+Timeouts per tier are router settings (router_service/settings.py), as `interactive=15,standard=30,batch=60`
+or one number for every tier:
 - FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S: from the upstream call to its first token (prefill included);
 - FLEET_ROUTER_INTER_TOKEN_TIMEOUT_S: between two responses of a stream.
 A replica that misses one is treated as dead for this request: the router cordons it and resumes the
@@ -17,10 +17,9 @@ backpressure from the server's transport flow control (the SSE generator pauses 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.text import IncrementalDetokenizer
 from router_service.request import TIERS, Finished, TokenDelta
@@ -30,39 +29,37 @@ DEFAULT_FIRST_TOKEN_S = {"interactive": 15.0, "standard": 30.0, "batch": 60.0}
 DEFAULT_INTER_TOKEN_S = {"interactive": 10.0, "standard": 15.0, "batch": 30.0}
 
 
-def _per_tier(env: str, default: dict[str, float]) -> dict[str, float]:
-    raw = os.environ.get(env, "").strip()
-    out = dict(default)
+DEFAULT_STREAM_QUEUE = 256
+DEFAULT_SLOW_READER_S = 30.0
+
+
+def per_tier(raw: str, default: dict[str, float]) -> dict[str, float]:
+    """'interactive=S,standard=S,batch=S' (tiers left out keep their default) or one number for all tiers."""
+    raw, out = raw.strip(), dict(default)
     if not raw:
         return out
     try:
         if "=" not in raw:
-            return {tier: float(raw) for tier in TIERS}
-        for part in raw.split(","):
-            tier, value = (x.strip() for x in part.split("=", 1))
-            if tier not in TIERS:
-                raise ValueError(f"unknown tier {tier!r}")
-            out[tier] = float(value)
+            out = {tier: float(raw) for tier in TIERS}
+        else:
+            for part in raw.split(","):
+                tier, value = (x.strip() for x in part.split("=", 1))
+                if tier not in TIERS:
+                    raise ValueError(f"unknown tier {tier!r}")
+                out[tier] = float(value)
     except ValueError as exc:
-        raise ValueError(f"{env}={raw!r}: expected seconds or 'interactive=S,standard=S,batch=S' ({exc})") from None
-    if any(v <= 0 for v in out.values()):
-        raise ValueError(f"{env}={raw!r}: timeouts must be positive")
+        raise ValueError(f"{raw!r}: expected seconds or 'interactive=S,standard=S,batch=S' ({exc})") from None
+    if any(not v > 0 for v in out.values()):
+        raise ValueError(f"{raw!r}: timeouts must be positive")
     return out
 
 
 @dataclass(frozen=True)
 class StreamTimeouts:
-    first_token_s: dict[str, float]
-    inter_token_s: dict[str, float]
-
-    @classmethod
-    def from_env(cls) -> "StreamTimeouts":
-        return cls(_per_tier("FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S", DEFAULT_FIRST_TOKEN_S),
-                   _per_tier("FLEET_ROUTER_INTER_TOKEN_TIMEOUT_S", DEFAULT_INTER_TOKEN_S))
-
-
-STREAM_QUEUE_ITEMS = int(os.environ.get("FLEET_ROUTER_STREAM_QUEUE", "256"))
-SLOW_READER_TIMEOUT_S = float(os.environ.get("FLEET_ROUTER_SLOW_READER_TIMEOUT_S", "30"))
+    first_token_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_FIRST_TOKEN_S))
+    inter_token_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_INTER_TOKEN_S))
+    queue_items: int = DEFAULT_STREAM_QUEUE       # gRPC stream responses waiting for a slow reader
+    slow_reader_s: float = DEFAULT_SLOW_READER_S  # how long a response may wait for room in that queue
 
 
 class DeadlineReached(Exception):

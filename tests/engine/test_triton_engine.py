@@ -1,4 +1,5 @@
-"""The engine served by a real tritonserver as the decoupled Python-backend model `engine` (DESIGN.md §4):
+"""The engine served by a real tritonserver as the decoupled Python-backend model `engine`
+(docs/architecture.md, Replica interface):
 streamed greedy ids equal transformers', every response carries every output, the final one carries
 finish_reason + usage with the FINAL flag, cancellation frees the blocks, custom metrics are on the metrics
 port, and state reports reach a router endpoint."""
