@@ -18,6 +18,16 @@ from usage.producer import UsageProducer
 from usage.spool import HEADER, Spool
 
 
+@pytest.fixture
+def spool_log(caplog, monkeypatch):
+    """caplog for usage.spool, even after another test's logging setup disabled or detached that logger."""
+    logger = logging.getLogger("usage.spool")
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logger, "propagate", True)
+    with caplog.at_level(logging.ERROR, logger="usage.spool"):
+        yield caplog
+
+
 def _fill_until_error(sp: Spool, value: bytes, limit: int = 100_000) -> tuple[int, OSError]:
     for i in range(limit):
         try:
@@ -27,7 +37,7 @@ def _fill_until_error(sp: Spool, value: bytes, limit: int = 100_000) -> tuple[in
     raise AssertionError("the tiny filesystem never filled up")
 
 
-def test_enospc_at_segment_roll_is_loud_and_does_not_wedge_later_appends(tiny_fs, monkeypatch, caplog):
+def test_enospc_at_segment_roll_is_loud_and_does_not_wedge_later_appends(tiny_fs, monkeypatch, spool_log):
     # 1 MiB segments on a 3 MiB filesystem that something else has half filled: a roll finds no space.
     monkeypatch.setattr(spool_mod, "SEGMENT_BYTES", 1024 * 1024)
     monkeypatch.setattr(spool_mod, "MAX_RECORD", 256 * 1024)
@@ -35,10 +45,9 @@ def test_enospc_at_segment_roll_is_loud_and_does_not_wedge_later_appends(tiny_fs
     filler.write_bytes(b"\0" * (1024 * 1024 + 512 * 1024))
     sp = Spool(tiny_fs / "spool")
     value = b"x" * 2000
-    with caplog.at_level(logging.ERROR, logger="usage.spool"):
-        ok, exc = _fill_until_error(sp, value)
+    ok, exc = _fill_until_error(sp, value)
     assert exc.errno == 28, exc  # ENOSPC, raised to the caller (the router counts and logs it)
-    assert sp.roll_failures == 1 and "cannot start segment" in caplog.text
+    assert sp.roll_failures == 1 and "cannot start segment" in spool_log.text
     assert sp.segments() == [1], "the half-made segment must not stay behind"
     with pytest.raises(OSError) as again:  # still full: the same clean failure, not FileExistsError
         sp.append(b"k", value)
@@ -50,7 +59,7 @@ def test_enospc_at_segment_roll_is_loud_and_does_not_wedge_later_appends(tiny_fs
     sp.close()
 
 
-def test_bad_length_in_a_finished_segment_does_not_wedge_the_reader(tmp_path, caplog):
+def test_bad_length_in_a_finished_segment_does_not_wedge_the_reader(tmp_path, spool_log):
     sp = Spool(tmp_path / "spool")
     for i in range(5):
         sp.append(b"k", f"old-{i}".encode())
@@ -67,10 +76,9 @@ def test_bad_length_in_a_finished_segment_does_not_wedge_the_reader(tmp_path, ca
     path.write_bytes(bytes(data))
     sp = Spool(tmp_path / "spool")
     sp.append(b"k", b"new-0")
-    with caplog.at_level(logging.ERROR, logger="usage.spool"):
-        values = [r.value for r in sp.read_batch(100)]
+    values = [r.value for r in sp.read_batch(100)]
     assert values == [b"old-0", b"old-1", b"new-0"]  # the damaged rest is skipped, later segments flow
-    assert sp.corrupt_skips >= 1 and "bad record length" in caplog.text
+    assert sp.corrupt_skips >= 1 and "bad record length" in spool_log.text
     sp.close()
 
 
