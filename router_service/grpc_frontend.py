@@ -102,10 +102,6 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         """Each request on the stream runs concurrently; responses are interleaved as they come. A request's
         error is sent in-band and ends only that request."""
         api_key = _api_key(context)
-        try:
-            self.router.authenticate(api_key)  # the key belongs to the stream: a bad one ends the whole stream
-        except RouterError as exc:
-            await _abort(context, exc)
         limits = self.router.timeouts
         queue: asyncio.Queue = asyncio.Queue(maxsize=limits.queue_items)
         tasks: set[asyncio.Task] = set()
@@ -124,8 +120,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 async with contextlib.aclosing(self.router.stream(prepared)) as items:
                     async for item in items:
                         await put(encode_stream_response(prepared.req, prepared.model.version, item))
-            except RouterError as exc:
-                await queue.put(_stream_error(request, exc))
+            except RouterError as exc:  # the key belongs to the stream: a bad one ends the whole stream
+                await queue.put(exc if exc.code == "unauthenticated" else _stream_error(request, exc))
             except Exception as exc:
                 log.exception("stream request failed")
                 await queue.put(_stream_error(request, RouterError("internal", f"internal error: {exc}")))
@@ -155,6 +151,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     pending -= 1
                 elif isinstance(item, str):  # "eof": the caller sent all its requests
                     client_done = True
+                elif isinstance(item, RouterError):
+                    await _abort(context, item)
                 else:
                     yield item
         finally:  # caller went away or aborted: cancel upstream work so replicas free KV blocks
