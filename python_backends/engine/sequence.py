@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -56,15 +55,6 @@ class SamplingParams:
 
 
 _ids = itertools.count(1)
-_M64 = (1 << 64) - 1
-
-
-def step_seed(seed: int, step: int) -> int:
-    """A well-mixed 63-bit seed for sampling step `step` of a request seeded with `seed` (splitmix64)."""
-    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
 class Sequence:
@@ -73,6 +63,7 @@ class Sequence:
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
+        self.num_prompt = len(self.prompt_ids)          # the prompt never changes: read on every step
         self.token_ids = list(prompt_ids)
         self.params = params
         self.priority = int(priority)
@@ -84,7 +75,7 @@ class Sequence:
         self.num_computed = 0            # tokens with K/V in the pool
         self.num_cached_prompt = 0       # prompt tokens served from the prefix cache (first admission)
         self.counted_cache = False
-        self.block_hashes: list[int] = []   # chain hashes of full prompt blocks (computed once)
+        self.block_hashes: list[int] = []   # chain hashes of full blocks (extended as they fill)
         self.num_hashed_blocks = 0       # leading blocks of block_table registered in the prefix cache
         self.finish_reason: FinishReason | None = None
         self.error = ""                  # why the request was rejected (finish_reason error)
@@ -94,23 +85,9 @@ class Sequence:
         self.admitted_at: float | None = None
         self.preemptions = 0
         self.num_emitted = 0             # output tokens already handed to the caller
-        self.generator: torch.Generator | None = None
-        self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
-        if not params.greedy:
-            self.generator = torch.Generator()
-
-    def step_generator(self) -> torch.Generator:
-        """The generator for the next sampled token, seeded from (seed, seed_offset + output tokens so far):
-        the random stream is a function of the step, not of how many draws this process made."""
-        assert self.generator is not None, "greedy sequences do not sample"
-        self.generator.manual_seed(step_seed(self.seed, self.params.seed_offset + self.num_output))
-        return self.generator
+        self.generator: torch.Generator | None = None   # seeded requests: made on the device by sampling.py
 
     # ------------------------------------------------------------------ views
-    @property
-    def num_prompt(self) -> int:
-        return len(self.prompt_ids)
-
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
