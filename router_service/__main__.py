@@ -51,7 +51,8 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
     if producer is not None:
         producer.start()
     router = Router(registry, producer, region=settings.region, choice=rs.choice_params(), gateway=rs.gateway(),
-                    max_waiting=args.max_waiting, batch_yield=rs.batch_yielder(), start_wait_s=args.start_wait_s)
+                    max_waiting=args.max_waiting, batch_yield=rs.batch_yielder(), start_wait_s=args.start_wait_s,
+                    timeouts=rs.stream_timeouts())
     await asyncio.to_thread(router.gateway.warm_start, settings.usage_db_path)
     grpc_server = await start_grpc_server(router, args.host, args.grpc_port)
     config = uvicorn.Config(create_app(router, admin_tokens(settings)), host=args.host, port=args.http_port,

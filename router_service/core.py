@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from router_service import metrics
-from router_service.accounting import account
+from router_service.accounting import account, open_ledger_entry
 from router_service.admission import AdmissionQueue
 from router_service.batch_yield import BatchYield
 from router_service.cancellation import CancelHandle, InflightRequests
@@ -26,18 +28,23 @@ from router_service.replica_state import ReplicaStateTable
 from router_service.replica_set import ReplicaSet
 from router_service.request import TIERS, Finished, GenerateRequest, Prepared, TokenDelta
 from router_service.rollout import VersionReadiness, pick_version
+from router_service.stream_guard import DeadlineReached, ReplicaHung, ResumeText, StreamTimeouts, guarded
 from router_service.tokenization import TokenizerCache
 from router_service.upstream import Preempted, ReplicaClient, ReplicaFailed
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
+# A request whose stream was running on two replicas when each died or hung is not tried on a third:
+# it may be what kills them (a poison request), and each try would take another replica down.
+MAX_REPLICA_KILLS = 2
 INLINE_TOKENIZE_CHARS = 2000
 
 
 class Router:
     def __init__(self, registry: RegistryCache, usage_producer=None, region: str = "local",
                  choice: ChoiceParams | None = None, gateway: Gateway | None = None, max_waiting: int = 256,
-                 batch_yield: BatchYield | None = None, start_wait_s: float = 600.0) -> None:
+                 batch_yield: BatchYield | None = None, start_wait_s: float = 600.0,
+                 timeouts: StreamTimeouts | None = None) -> None:
         self.registry = registry
         self.usage = usage_producer
         self.region = region
@@ -52,6 +59,7 @@ class Router:
         self.max_waiting = max_waiting
         self.requests = InflightRequests()
         self.batch_yield = batch_yield or BatchYield()
+        self.timeouts = timeouts or StreamTimeouts()
 
     @property
     def inflight(self) -> dict[str, int]:
@@ -111,6 +119,8 @@ class Router:
             if req.prompt_ids is None:
                 req.prompt_ids = await self._tokenize(model, req)
             req.check_prompt_fits(model.max_context)
+            if req.seed is None and req.temperature > 0:  # so that a resumed stream continues the same draws
+                req.seed = secrets.randbits(63)
             p = Prepared(req, caller, model, list(req.prompt_ids), arrived=arrived,
                          home=home_region(caller.region, self.region))
             p.quota_reserved = len(p.prompt_ids) + req.max_tokens
@@ -244,6 +254,9 @@ class Router:
         finish: Finished | None = None
         replica_id, status, placement = "", "error", p.placement
         cached_tokens = 0
+        kills: list[str] = []  # replicas that died or hung while streaming this request
+        text = ResumeText()
+        ledger = open_ledger_entry(self.usage, p)
         if req.tier == "interactive":
             self.batch_yield.interactive_started(key)
         try:
@@ -268,21 +281,36 @@ class Router:
                     p.handle.preempted = False
                     self.batch_yield.batch_started(key, p.handle)
                 try:
-                    async for item in self.client_for(placement.replica).generate(
-                            req, p.prompt_ids + emitted, req.max_tokens - len(emitted), p.handle):
-                        if isinstance(item, TokenDelta):
-                            if first_token_at is None:
-                                first_token_at = time.monotonic()
-                                metrics.TTFT.labels(req.model, req.tier).observe(first_token_at - p.arrived)
-                            if prefill_pending:
-                                prefill_pending = False
-                                self.chooser.progress(placement, placement.load - (req.max_tokens - len(emitted)))
-                            self.chooser.progress(placement, len(item.token_ids))
-                            emitted.extend(item.token_ids)
-                            yield item
-                        else:
-                            cached_tokens = item.cached_prompt_tokens if not cached_tokens else cached_tokens
-                            finish = self._finished(p, item.finish_reason, emitted, replica_id, cached_tokens)
+                    if emitted:  # a resume (after a failure or a preemption)
+                        self._resume_text(p, text, emitted)
+                    upstream = self.client_for(placement.replica).generate(
+                        req, p.prompt_ids + emitted, req.max_tokens - len(emitted), p.handle,
+                        seed_offset=len(emitted) if req.seed is not None else 0)
+                    async with aclosing(guarded(upstream, self.timeouts.first_token_s[req.tier],
+                                                self.timeouts.inter_token_s[req.tier], req.deadline_ms)) as items:
+                        async for item in items:
+                            if isinstance(item, TokenDelta):
+                                if first_token_at is None:
+                                    first_token_at = time.monotonic()
+                                    metrics.TTFT.labels(req.model, req.tier).observe(first_token_at - p.arrived)
+                                if prefill_pending:
+                                    prefill_pending = False
+                                    self.chooser.progress(placement, placement.load - (req.max_tokens - len(emitted)))
+                                self.chooser.progress(placement, len(item.token_ids))
+                                emitted.extend(item.token_ids)
+                                if ledger is not None:
+                                    ledger.progress(len(emitted))
+                                yield text.delta(item)
+                            else:
+                                tail = text.tail()
+                                if tail:
+                                    yield TokenDelta(tail, [])
+                                cached_tokens = item.cached_prompt_tokens if not cached_tokens else cached_tokens
+                                finish = self._finished(p, item.finish_reason, emitted, replica_id, cached_tokens)
+                    break
+                except DeadlineReached:
+                    log.info("deadline of %s passed while waiting on replica %s", req.request_id, replica_id)
+                    finish = self._finished(p, "deadline", emitted, replica_id, cached_tokens)
                     break
                 except Preempted:
                     log.info("batch request %s preempted on %s after %d tokens; re-queued", req.request_id,
@@ -292,12 +320,22 @@ class Router:
                     failed.add(replica_id)
                     log.warning("replica %s failed during %s after %d tokens (attempt %d): %s", replica_id,
                                 req.request_id, len(emitted), failures, exc)
+                    if isinstance(exc, ReplicaHung):
+                        metrics.STREAM_TIMEOUTS.labels(replica_id).inc()
                     if not exc.alive:  # a replica that answers with an error stays in service
+                        kills.append(replica_id)
                         self.cordon(replica_id, f"stream of {req.request_id} broke: {exc}")
                     if req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
                         log.info("not retrying %s: its deadline has passed", req.request_id)
                         finish = self._finished(p, "deadline", emitted, replica_id, cached_tokens)
                         break
+                    if len(kills) >= MAX_REPLICA_KILLS:
+                        metrics.POISONED.labels(req.model).inc()
+                        log.error("request %s not retried: replicas %s died or hung while serving it (poison "
+                                  "request?)", req.request_id, ", ".join(kills))
+                        raise RouterError("replica_failure", f"request {req.request_id} was stopped: the replicas "
+                                          f"serving it ({', '.join(kills)}) died or hung, so it is not tried on "
+                                          f"a third; {len(emitted)} tokens were streamed and are billed") from exc
                     if failures == MAX_ATTEMPTS:
                         raise RouterError("unavailable", f"request failed on {MAX_ATTEMPTS} replicas: {exc}") from exc
                     metrics.RETRIES.labels(req.model).inc()
@@ -327,14 +365,17 @@ class Router:
             if p.handle is not None:
                 self.requests.unregister(p.handle)
             self.gateway.settle(p.caller.name, p.quota_reserved, len(p.prompt_ids) + len(emitted))
-            self._account(p, finish, status, emitted, first_token_at, replica_id)
+            account(self.usage, p, finish, status, len(emitted), first_token_at, replica_id, ledger)
+
+    def _resume_text(self, p: Prepared, text: ResumeText, emitted: list[int]) -> None:
+        """From the first resume on, the router decodes the stream's text itself (see ResumeText)."""
+        try:
+            text.resume(self.tokenizers.get(p.model.weights_uri), emitted)
+        except Exception as exc:  # no tokenizer here: fall back to the replica's text
+            log.warning("resume of %s keeps the replica's text (no tokenizer: %s)", p.req.request_id, exc)
 
     def _finished(self, p: Prepared, reason: str, emitted: list[int], replica_id: str, cached: int) -> Finished:
         return Finished(reason, len(p.prompt_ids), cached, len(emitted), p.model.name, p.model.version, replica_id)
-
-    def _account(self, p: Prepared, finish: Finished | None, status: str, emitted: list[int],
-                 first_token_at: float | None, replica_id: str) -> None:
-        account(self.usage, p, finish, status, len(emitted), first_token_at, replica_id)
 
     def warm_tokenizers(self) -> None:
         """Load the tokenizers of served model versions ahead of the first request (run in a thread)."""

@@ -15,6 +15,8 @@ _CODES = {
     "unavailable": (grpc.StatusCode.UNAVAILABLE, 503),
     "internal": (grpc.StatusCode.INTERNAL, 500),
     "cancelled": (grpc.StatusCode.CANCELLED, 499),
+    # the replicas serving the request died or hung while streaming it (see core.MAX_REPLICA_KILLS)
+    "replica_failure": (grpc.StatusCode.ABORTED, 502),
 }
 
 

@@ -1,11 +1,14 @@
 """KServe v2 gRPC frontend: stock `tritonclient.grpc` works against the router as against Triton.
 
 Model names are registry model names (e.g. `smollm2-135m`); `model_version` picks a version explicitly,
-otherwise the rollout split does. Caller errors end the call with the matching gRPC status.
+otherwise the rollout split does. ModelInfer errors end the call with the matching gRPC status; on a
+ModelStreamInfer stream each request's error travels in-band (`error_message`, naming the request id) and
+the other requests on the stream carry on. Responses queue per stream with a bound (see stream_guard).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -96,25 +99,37 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return merge_responses(prepared.req, prepared.model.version, items)
 
     async def ModelStreamInfer(self, request_iterator, context):
-        """Each request on the stream runs concurrently; responses are interleaved as they come."""
+        """Each request on the stream runs concurrently; responses are interleaved as they come. A request's
+        error is sent in-band and ends only that request."""
         api_key = _api_key(context)
-        queue: asyncio.Queue = asyncio.Queue()
+        limits = self.router.timeouts
+        queue: asyncio.Queue = asyncio.Queue(maxsize=limits.queue_items)
         tasks: set[asyncio.Task] = set()
+
+        async def put(item) -> None:
+            try:
+                await asyncio.wait_for(queue.put(item), limits.slow_reader_s)
+            except TimeoutError:
+                raise RouterError("resource_exhausted", f"the caller read no response for {limits.slow_reader_s:g} s "
+                                  f"with {limits.queue_items} waiting: request stopped") from None
 
         async def run_one(request: pb.ModelInferRequest) -> None:
             prepared = None
             try:
                 prepared = await self._run(request, api_key)
-                async for item in self.router.stream(prepared):
-                    queue.put_nowait(encode_stream_response(prepared.req, prepared.model.version, item))
-            except RouterError as exc:
-                queue.put_nowait(exc)
+                async with contextlib.aclosing(self.router.stream(prepared)) as items:
+                    async for item in items:
+                        await put(encode_stream_response(prepared.req, prepared.model.version, item))
+            except RouterError as exc:  # the key belongs to the stream: a bad one ends the whole stream
+                await queue.put(exc if exc.code == "unauthenticated" else _stream_error(request, exc))
             except Exception as exc:
                 log.exception("stream request failed")
-                queue.put_nowait(RouterError("internal", f"internal error: {exc}"))
+                await queue.put(_stream_error(request, RouterError("internal", f"internal error: {exc}")))
             finally:
                 if prepared is not None:
                     self.router.release_unstarted(prepared)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await queue.put(None)  # this request's last item
 
         pending = 0  # requests whose last queue item (None) has not been taken yet
 
@@ -124,7 +139,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 pending += 1
                 task = asyncio.create_task(run_one(request))
                 tasks.add(task)
-                task.add_done_callback(lambda t: (tasks.discard(t), queue.put_nowait(None)))
+                task.add_done_callback(tasks.discard)
             await queue.put("eof")
 
         reader = asyncio.create_task(read_requests())
@@ -144,6 +159,17 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+
+
+def _stream_error(request: pb.ModelInferRequest, exc: RouterError) -> pb.ModelStreamInferResponse:
+    """One request's error on a stream, in-band: the stream and its other requests go on."""
+    rid = request.id or "(no id)"
+    retry = f" (retry after {exc.retry_after_ms} ms)" if exc.retry_after_ms is not None else ""
+    resp = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version, id=request.id)
+    if exc.retry_after_ms is not None:
+        resp.parameters["retry_after_ms"].int64_param = exc.retry_after_ms
+    return pb.ModelStreamInferResponse(error_message=f"request {rid}: {exc.grpc_status.name}: {exc.message}{retry}",
+                                       infer_response=resp)
 
 
 async def start_grpc_server(router: Router, host: str, port: int) -> grpc.aio.Server:

@@ -1,6 +1,8 @@
 """HTTP frontend: OpenAI-compatible `/v1/*` with SSE streaming, admin endpoints, state reports, /metrics."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 
@@ -74,9 +76,11 @@ def create_app(router: Router, admin_tokens: dict[str, str]) -> FastAPI:
                                      headers={"x-request-id": prepared.req.request_id},
                                      background=BackgroundTask(router.release_unstarted, prepared))
         try:
-            items = [item async for item in router.stream(prepared)]
+            items = await _collect_unless_disconnected(request, router.stream(prepared))
         finally:
             router.release_unstarted(prepared)
+        if items is None:  # the caller left: generation was stopped; nobody reads this answer
+            return Response(status_code=499)
         text = "".join(i.text for i in items if isinstance(i, TokenDelta))
         final = next(i for i in items if isinstance(i, Finished))
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": final.finish_reason}
@@ -135,6 +139,32 @@ async def _parse(request: Request, schema):
         return schema.model_validate(data)
     except ValidationError as exc:
         raise RouterError("invalid_argument", _describe(exc.errors())) from exc
+
+
+async def _collect_unless_disconnected(request: Request, stream) -> list | None:
+    """All of a non-streamed answer, or None once the caller disconnects (the upstream call is cancelled,
+    so the replica stops generating for nobody)."""
+    async def collect() -> list:
+        return [item async for item in stream]
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.create_task(collect()), asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    return None
 
 
 def _usage(final: Finished) -> dict:

@@ -60,3 +60,11 @@ def refresh_replica_gauges(router) -> None:
             REPLICA_KV.labels(r.replica_id, r.model, r.version).set(1.0 - free / total)
         if state.report.get("waiting") is not None:
             REPLICA_WAITING.labels(r.replica_id, r.model, r.version).set(state.report["waiting"])
+STREAM_TIMEOUTS = Counter("fleet_router_stream_timeouts_total", "Upstream streams given up because the replica sent "
+                          "nothing within the first-token or inter-token timeout (hung replica)", ["replica"])
+POISONED = Counter("fleet_router_poison_requests_total", "Requests stopped with an error, not retried, after the "
+                   "replicas serving them died or hung twice", ["model"])
+USAGE_EMIT_ERRORS = Counter("fleet_router_usage_emit_errors_total", "Usage events that could not be spooled "
+                            "(e.g. ENOSPC); their tokens stay in the in-flight ledger", ["error"])
+USAGE_LEDGER_FULL = Counter("fleet_router_usage_ledger_full_total", "Streams that found no free slot in the "
+                            "in-flight usage ledger (billed only when they end)")
