@@ -27,6 +27,9 @@ class Settings:
     admin_ui_port: int
     kafka_port: int
     replica_base_port: int
+    router_internal_host: str = "127.0.0.1"
+    router_internal_port: int = 8032
+    replica_bind: str = "127.0.0.1"
     usage_topic: str = "llm.usage.v1"
     usage_dlq_topic: str = "llm.usage.v1.dlq"
     region: str = "local"
@@ -34,6 +37,11 @@ class Settings:
     @property
     def router_http_url(self) -> str:
         return f"http://{self.router_host}:{self.router_http_port}"
+
+    @property
+    def router_internal_url(self) -> str:
+        """The router's internal listener (replica state reports), never the callers' port."""
+        return f"http://{self.router_internal_host}:{self.router_internal_port}"
 
     @property
     def router_grpc_url(self) -> str:
@@ -81,6 +89,10 @@ class Settings:
     def viewer_token_file(self) -> Path:
         return self.data_dir / "viewer-token"
 
+    @property
+    def report_secret_file(self) -> Path:
+        return self.data_dir / "report-secret"
+
 
 def load_settings() -> Settings:
     data_dir = Path(os.environ.get("FLEET_DATA_DIR", REPO_ROOT / ".fleet")).resolve()
@@ -95,5 +107,8 @@ def load_settings() -> Settings:
         admin_ui_port=_env_int("FLEET_ADMIN_UI_PORT", 8501),
         kafka_port=kafka_port,
         replica_base_port=_env_int("FLEET_REPLICA_BASE_PORT", 8100),
+        router_internal_host=os.environ.get("FLEET_ROUTER_INTERNAL_HOST", "127.0.0.1"),
+        router_internal_port=_env_int("FLEET_ROUTER_INTERNAL_PORT", 8032),
+        replica_bind=os.environ.get("FLEET_REPLICA_BIND", "127.0.0.1"),
         region=os.environ.get("FLEET_REGION", "local"),
     )

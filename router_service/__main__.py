@@ -13,6 +13,8 @@ from fleet.settings import load_settings
 from router_service.core import Router
 from router_service.grpc_frontend import start_grpc_server
 from router_service.http_frontend import create_app
+from router_service.internal_api import create_internal_app
+from fleet.report_channel import load_report_secret
 from router_service.registry_cache import RegistryCache
 from usage.producer import UsageProducer
 
@@ -25,6 +27,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--host", default=s.router_host, help="listen address (default %(default)s)")
     ap.add_argument("--http-port", type=int, default=s.router_http_port, help="OpenAI/admin/metrics HTTP port")
     ap.add_argument("--grpc-port", type=int, default=s.router_grpc_port, help="KServe v2 gRPC port")
+    ap.add_argument("--internal-host", default=s.router_internal_host,
+                    help="address of the internal listener for replica state reports; loopback by default, the pod "
+                         "address behind a NetworkPolicy in Kubernetes (FLEET_ROUTER_INTERNAL_HOST)")
+    ap.add_argument("--internal-port", type=int, default=s.router_internal_port,
+                    help="port of the internal listener (FLEET_ROUTER_INTERNAL_PORT)")
     ap.add_argument("--db-url", default=s.db_url, help="registry database URL (FLEET_DB_URL)")
     ap.add_argument("--kafka", default=s.kafka_bootstrap, help="Kafka bootstrap servers for usage events")
     ap.add_argument("--max-waiting", type=int, default=int(os.environ.get("FLEET_ROUTER_MAX_WAITING", 256)),
@@ -61,6 +68,10 @@ async def serve(args: argparse.Namespace) -> None:
                             log_level="warning", lifespan="off")
     http_server = uvicorn.Server(config)
     http_server.install_signal_handlers = lambda: None
+    internal_server = uvicorn.Server(uvicorn.Config(
+        create_internal_app(router, load_report_secret(settings.report_secret_file)), host=args.internal_host,
+        port=args.internal_port, log_level="warning", lifespan="off"))
+    internal_server.install_signal_handlers = lambda: None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -68,13 +79,16 @@ async def serve(args: argparse.Namespace) -> None:
     watcher = asyncio.create_task(registry.watch())
     warm = asyncio.create_task(asyncio.to_thread(router.warm_tokenizers))  # noqa: F841 (runs in the background)
     http_task = asyncio.create_task(http_server.serve())
-    log.info("router serving gRPC on %s:%d and HTTP on %s:%d (registry version %d)", args.host, args.grpc_port,
-             args.host, args.http_port, registry.snapshot.version)
+    internal_task = asyncio.create_task(internal_server.serve())
+    log.info("router serving gRPC on %s:%d, HTTP on %s:%d, internal reports on %s:%d (registry version %d)",
+             args.host, args.grpc_port, args.host, args.http_port, args.internal_host, args.internal_port,
+             registry.snapshot.version)
     await stop.wait()
     log.info("router stopping")
-    http_server.should_exit = True
+    http_server.should_exit = internal_server.should_exit = True
     await grpc_server.stop(grace=5)
     await http_task
+    await internal_task
     watcher.cancel()
     await router.close()
     if producer is not None:

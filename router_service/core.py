@@ -65,6 +65,7 @@ class Router:
         self.tokenizers = TokenizerCache()
         self.clients: dict[str, ReplicaClient] = {}
         self.cordoned: dict[str, float] = {}  # replica -> monotonic time the router cordoned it
+        self.cordon_pids: dict[str, int] = {}  # replica -> its registry pid when cordoned
         self.replica_state = ReplicaStateTable()
         self.chooser = ReplicaChooser(self.replica_state, choice)
         self.gateway = gateway or Gateway()
@@ -170,11 +171,12 @@ class Router:
         for r in self.registry.snapshot.replicas:
             if r.model != model.name or r.version != model.version or r.state != "serving" or r.replica_id in exclude:
                 continue
-            cordoned_at = self.cordoned.get(r.replica_id)
-            if cordoned_at is not None:
-                if self.replica_state.full_snapshots.get(r.replica_id, 0.0) <= cordoned_at + 1.0:
+            if r.replica_id in self.cordoned:
+                # only a restart recorded in the registry (a new process) lifts the router's cordon; a state
+                # report never does, whatever it says
+                if self.cordon_pids.get(r.replica_id) == r.pid:
                     continue
-                log.info("replica %s reports again after a restart: uncordoned", r.replica_id)
+                log.info("replica %s was restarted (pid %d): uncordoned", r.replica_id, r.pid)
                 del self.cordoned[r.replica_id]
             out.append(r)
         return out
@@ -242,6 +244,8 @@ class Router:
         if replica_id in self.cordoned:
             return
         self.cordoned[replica_id] = time.monotonic()
+        self.cordon_pids[replica_id] = next((r.pid for r in self.registry.snapshot.replicas
+                                             if r.replica_id == replica_id), 0)
         metrics.CORDONS.labels(replica_id).inc()
         log.warning("cordoned replica %s: %s", replica_id, why)
         asyncio.get_running_loop().run_in_executor(None, self._record_cordon, replica_id)

@@ -1,4 +1,8 @@
-"""HTTP frontend: OpenAI-compatible `/v1/*` with SSE streaming, admin endpoints, state reports, /metrics."""
+"""HTTP frontend on the callers' port: OpenAI-compatible `/v1/*` with SSE streaming, admin endpoints, /metrics.
+
+Who may call it: callers with an API key (`/v1/*`), operators and viewers with a named admin token
+(`/admin/*`); `/health` and `/metrics` are open. Replica state reports are not here: they go to the internal
+listener (internal_api.py)."""
 from __future__ import annotations
 
 import json
@@ -97,14 +101,6 @@ def create_app(router: Router, admin_tokens: dict[str, str]) -> FastAPI:
         caller = router.authenticate(_bearer(request))
         router.cancel(request_id, caller)
         return {"id": request_id, "cancelled": True}
-
-    @app.post("/internal/replica-state")
-    async def replica_state(report: dict):
-        try:
-            router.replica_state.apply(report)
-        except ValueError as exc:
-            raise RouterError("invalid_argument", str(exc)) from exc
-        return {"ok": True}
 
     app.include_router(admin_router(router, admin_tokens))
     return app

@@ -44,6 +44,7 @@ class ReplicaInfo:
     grpc_url: str
     http_url: str
     state: str
+    pid: int = 0  # changes when the actuator restarts the replica (lifts the router's own cordon)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ def load_snapshot(db_url: str) -> Snapshot:
             snap.callers_by_hash[c.api_key_hash] = CallerInfo(
                 c.name, c.team, c.max_tier, c.token_quota_per_day, tuple(c.allowed_models or ()),
                 tuple(c.allowed_adapters or ()), c.region)
-        snap.replicas = [ReplicaInfo(r.replica_id, r.model, r.version, r.region, r.grpc_url, r.http_url, r.state)
+        snap.replicas = [ReplicaInfo(r.replica_id, r.model, r.version, r.region, r.grpc_url, r.http_url, r.state,
+                                     r.pid or 0)
                          for r in queries.list_replicas(s)]
         snap.adapters = {a.name: AdapterInfo(a.name, a.base_model, a.owner_team) for a in queries.list_adapters(s)}
     return snap

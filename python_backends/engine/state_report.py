@@ -1,20 +1,21 @@
 """The replica state report of DESIGN.md §4, pushed to every router about every 200 ms.
 
 The engine loop thread builds each report (`build`, on its own thread, so engine state is read consistently)
-and hands it to `StateReporter.publish`; a separate sender thread POSTs the latest one to
-`{router}/internal/replica-state` with a short timeout, fire-and-forget, so a slow or dead router never
+and hands it to `StateReporter.publish`; a separate sender thread POSTs the latest one, signed with this
+replica's key (`FLEET_REPORT_KEY`, see fleet/report_channel.py), to each router's internal listener
+(`FLEET_ROUTER_URLS`) with a short timeout, fire-and-forget, so a slow or dead router never
 blocks the engine. Prefix hashes go as deltas (added/removed since the last report), with a full snapshot
 on start and every ~10 s so a router that missed deltas resyncs.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
-import urllib.request
 from typing import Any
+
+from fleet.report_channel import post_report
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +24,15 @@ def identity_from_env(env: dict[str, str] | None = None) -> dict[str, Any]:
     env = dict(os.environ) if env is None else env
     return {"replica_id": env.get("FLEET_REPLICA_ID", "local-0"), "model": env.get("FLEET_MODEL", ""),
             "version": env.get("FLEET_VERSION", ""), "region": env.get("FLEET_REGION", "local"),
-            "routers": [u.strip().rstrip("/") for u in env.get("FLEET_ROUTER_URLS", "").split(",") if u.strip()]}
+            "routers": [u.strip().rstrip("/") for u in env.get("FLEET_ROUTER_URLS", "").split(",") if u.strip()],
+            "report_key": env.get("FLEET_REPORT_KEY", "")}
 
 
 class StateReporter:
     def __init__(self, identity: dict[str, Any], full_snapshot_s: float = 10.0, timeout_s: float = 0.5):
-        self.identity = {k: v for k, v in identity.items() if k != "routers"}
+        self.identity = {k: v for k, v in identity.items() if k not in ("routers", "report_key")}
         self.routers: list[str] = identity.get("routers", [])
+        self.report_key: str = identity.get("report_key", "")
         self.full_snapshot_s, self.timeout_s = full_snapshot_s, timeout_s
         self.draining = False
         self._last_full = 0.0
@@ -96,12 +99,9 @@ class StateReporter:
                 if self._stop:
                     return
                 report, self._latest = self._latest, None
-            body = json.dumps(report).encode()
             for router in self.routers:
                 try:
-                    req = urllib.request.Request(f"{router}/internal/replica-state", data=body, method="POST",
-                                                 headers={"content-type": "application/json"})
-                    urllib.request.urlopen(req, timeout=self.timeout_s).close()
+                    post_report(router, report, self.report_key, self.timeout_s)
                     self.sent += 1
                 except Exception as exc:   # soft state: a lost report costs a few routing decisions
                     log.debug("state report to %s failed: %s", router, exc)
