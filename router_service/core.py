@@ -129,6 +129,7 @@ class Router:
             req.validate(model.max_context)
             if req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
                 raise RouterError("deadline_exceeded", f"deadline_ms {req.deadline_ms} has already passed")
+            req.check_prompt_size(model.max_context, *await self._limits(model))
             if req.prompt_ids is None:
                 req.prompt_ids = await self._tokenize(model, req)
             req.check_prompt_fits(model.max_context)
@@ -152,6 +153,12 @@ class Router:
                 metrics.REJECTED.labels(exc.code).inc()
             raise
         return p
+
+    async def _limits(self, model: ModelInfo) -> tuple[int, int]:
+        """(vocab size, max characters per token) of the model's tokenizer (loaded off the event loop once)."""
+        if self.tokenizers.loaded(model.weights_uri):
+            return self.tokenizers.limits(model.weights_uri)
+        return await asyncio.to_thread(self.tokenizers.limits, model.weights_uri)
 
     async def _tokenize(self, model: ModelInfo, req: GenerateRequest) -> list[int]:
         """Short prompts inline (a thread hop costs more than encoding them); long ones off the event loop."""
@@ -386,7 +393,7 @@ class Router:
         for versions in self.registry.snapshot.models.values():
             for info in versions.values():
                 try:
-                    self.tokenizers.get(info.weights_uri)
+                    self.tokenizers.limits(info.weights_uri)
                 except Exception as exc:  # a missing tokenizer is reported to the first caller that needs it
                     log.info("tokenizer for %s %s not preloaded: %s", info.name, info.version, exc)
 

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from router_service.admin_api import admin_router
 from router_service.core import Prepared, Router
 from router_service.errors import RouterError
+from router_service.http_body import read_body
 from router_service.openai_schema import ChatBody, CompletionBody
 from router_service.request import TIERS, Finished, TokenDelta
 
@@ -116,9 +117,7 @@ def _describe(errors) -> str:
 
 async def _parse(request: Request, schema):
     """Parse the JSON body ourselves so every problem names its field (any Content-Type is accepted)."""
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise RouterError("invalid_argument", f"body: {len(raw)} bytes is over the limit of {MAX_BODY_BYTES} bytes")
+    raw = await read_body(request, MAX_BODY_BYTES)
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -12,10 +12,11 @@ from router_service.registry_cache import RegistryCache
 
 
 @pytest.fixture
-def http(sqlite_url):
+def http(sqlite_url, smollm2_dir):
     migrate(sqlite_url)
     with session_scope(sqlite_url) as s:
-        queries.upsert_model_version(s, "m", "1", status="serving", max_context=2048)
+        queries.upsert_model_version(s, "m", "1", status="serving", max_context=2048,
+                                     weights_uri=str(smollm2_dir))  # the router checks ids against its vocab
         queries.set_routes(s, "m", {"1": 100}, actor="seed")
         keys = {"dev": queries.create_caller(s, "dev", "team-a"),
                 "batchy": queries.create_caller(s, "batchy", "team-b", max_tier="batch"),
@@ -38,7 +39,7 @@ def http(sqlite_url):
     ({"model": "m", "prompt": "hi", "version": "9"}, 404, "no version '9'"),
     ({"model": "m", "prompt": "hi", "adapter": "nope"}, 404, "adapter 'nope' does not exist"),
     ({"model": "m", "prompt": "hi", "max_tokens": -1}, 400, "max_tokens: must be a positive integer"),
-    ({"model": "m", "prompt": "x" * 10_000_000}, 400, "over the limit"),
+    ({"model": "m", "prompt": "x" * 10_000_000}, 413, "over the limit"),
 ])
 def test_bad_requests_get_clear_4xx(http, body, status, match):
     client, keys = http

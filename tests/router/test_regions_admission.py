@@ -16,10 +16,11 @@ from router_service.request import GenerateRequest
 
 
 @pytest.fixture
-def router(sqlite_url):
+def router(sqlite_url, smollm2_dir):
     migrate(sqlite_url)
     with session_scope(sqlite_url) as s:
-        queries.upsert_model_version(s, "m", "1", status="serving", max_context=2048)
+        queries.upsert_model_version(s, "m", "1", status="serving", max_context=2048,
+                                     weights_uri=str(smollm2_dir))  # the router checks ids against its vocab
         queries.set_routes(s, "m", {"1": 100}, actor="seed")
         for rid, region in (("eu-0", "eu"), ("us-0", "us")):
             queries.upsert_replica(s, rid, model="m", version="1", region=region, grpc_url="127.0.0.1:1",
