@@ -40,20 +40,6 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def admin_tokens() -> dict[str, str]:
-    """token -> role, from env or the data dir's token files (written by `fleet seed`)."""
-    s = load_settings()
-    tokens = {}
-    for role, env, path in (("operator", "FLEET_ADMIN_TOKEN", s.admin_token_file),
-                            ("viewer", "FLEET_VIEWER_TOKEN", s.viewer_token_file)):
-        token = os.environ.get(env) or (path.read_text().strip() if path.exists() else "")
-        if token:
-            tokens[token] = role
-    if "operator" not in tokens.values():
-        raise SystemExit(f"no admin token: set FLEET_ADMIN_TOKEN or create {s.admin_token_file} (`fleet seed` does)")
-    return tokens
-
-
 async def serve(args: argparse.Namespace) -> None:
     log = setup_logging("router")
     settings = load_settings()
@@ -62,9 +48,8 @@ async def serve(args: argparse.Namespace) -> None:
     if producer is not None:
         producer.start()
     router = Router(registry, producer, region=settings.region, max_waiting=args.max_waiting)
-    await asyncio.to_thread(router.gateway.warm_start, settings.usage_db_path)
     grpc_server = await start_grpc_server(router, args.host, args.grpc_port)
-    config = uvicorn.Config(create_app(router, admin_tokens()), host=args.host, port=args.http_port,
+    config = uvicorn.Config(create_app(router), host=args.host, port=args.http_port,
                             log_level="warning", lifespan="off")
     http_server = uvicorn.Server(config)
     http_server.install_signal_handlers = lambda: None
@@ -77,6 +62,7 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     watcher = asyncio.create_task(registry.watch())
+    renewer = asyncio.create_task(router.quotas.renew_forever())
     warm = asyncio.create_task(asyncio.to_thread(router.warm_tokenizers))  # noqa: F841 (runs in the background)
     http_task = asyncio.create_task(http_server.serve())
     internal_task = asyncio.create_task(internal_server.serve())
@@ -90,6 +76,7 @@ async def serve(args: argparse.Namespace) -> None:
     await http_task
     await internal_task
     watcher.cancel()
+    renewer.cancel()
     await router.close()
     if producer is not None:
         producer.close()

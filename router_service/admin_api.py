@@ -1,7 +1,8 @@
 """Admin HTTP API: the one validated write path for rollouts and replica states, each change audited.
 
-Two roles: `operator` (may write) and `viewer` (read only). Tokens come from the data dir
-(`admin-token` for the operator, `viewer-token` for viewers) or FLEET_ADMIN_TOKEN / FLEET_VIEWER_TOKEN.
+Who may call it: holders of a named admin token (registry/admin_tokens.py; `fleet admin-token create`), role
+`operator` (may write) or `viewer` (read only). Tokens are checked against their hashes in constant time and
+the audit log records the token's name as the actor. A change the registry refuses is a 400 with its reason.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from registry import queries
+from registry.admin_tokens import AdminIdentity, match_admin_token
 from registry.db import session_scope
 from registry.warm_buffers import set_warm_buffer
 from router_service.core import Router
@@ -38,18 +40,24 @@ class VersionBody(BaseModel):
     version: str
 
 
-def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
+def admin_router(router: Router) -> APIRouter:
     api = APIRouter(prefix="/admin")
     db_url = router.registry.db_url
 
-    def role_of(request: Request, need: str) -> str:
+    def identity(request: Request, need: str) -> AdminIdentity:
         auth = request.headers.get("authorization", "")
-        role = tokens.get(auth[7:].strip()) if auth.lower().startswith("bearer ") else None
-        if role is None:
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        who = match_admin_token(router.registry.snapshot.admin_tokens, token) if token else None
+        if who is None:
             raise RouterError("unauthenticated", "admin endpoints need 'authorization: Bearer <admin or viewer token>'")
-        if need == "operator" and role != "operator":
-            raise RouterError("permission_denied", f"role {role!r} may not change the fleet; an operator token is needed")
-        return role
+        if need == "operator" and who.role != "operator":
+            raise RouterError("permission_denied", f"{who.name!r} is a {who.role}; changing the fleet needs an "
+                                                   f"operator token")
+        return who
+
+    def role_of(request: Request, need: str) -> str:
+        """The acting token's name (the audit log's actor)."""
+        return identity(request, need).name
 
     async def write(fn, *args):
         try:
@@ -61,7 +69,8 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
 
     @api.get("/whoami")
     async def whoami(request: Request):
-        return {"role": role_of(request, "viewer")}
+        who = identity(request, "viewer")
+        return {"role": who.role, "name": who.name}
 
     @api.get("/fleet")
     async def fleet(request: Request):
@@ -83,7 +92,10 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
         if body.split is not None:
             split = body.split
         elif body.version is not None and body.percent is not None:
-            split = queries.rollout_split(router.registry.snapshot.routes.get(name, {}), body.version, body.percent)
+            try:
+                split = queries.rollout_split(router.registry.snapshot.routes.get(name, {}), body.version, body.percent)
+            except queries.RegistryError as exc:
+                raise RouterError("invalid_argument", str(exc)) from exc
         else:
             raise RouterError("invalid_argument", "send {version, percent} or {split: {version: percent}}")
         await write(lambda s: queries.set_routes(s, name, split, actor=actor))

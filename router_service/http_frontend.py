@@ -21,6 +21,7 @@ from router_service.errors import RouterError
 from router_service.http_body import read_body
 from router_service.openai_schema import ChatBody, CompletionBody
 from router_service.request import TIERS, Finished, TokenDelta
+from router_service.visibility import visible_models
 
 
 MAX_BODY_BYTES = 4_000_000
@@ -36,8 +37,7 @@ def _bearer(request: Request) -> str | None:
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
-def create_app(router: Router, admin_tokens: dict[str, str]) -> FastAPI:
-    """admin_tokens: token -> role (`operator` or `viewer`)."""
+def create_app(router: Router) -> FastAPI:
     app = FastAPI(title="LLM fleet router", version="0.1.0")
 
     @app.exception_handler(RouterError)
@@ -59,13 +59,13 @@ def create_app(router: Router, admin_tokens: dict[str, str]) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        router.authenticate(_bearer(request))
+        caller = router.authenticate(_bearer(request))
         snap = router.registry.snapshot
         data = [{"id": name, "object": "model", "owned_by": "fleet", "versions": sorted(versions),
                  "routes": snap.routes.get(name, {}), "tiers": list(TIERS),
                  "status": {v: info.status for v, info in sorted(versions.items())},
-                 "max_context": max(v.max_context for v in versions.values())}
-                for name, versions in sorted(snap.models.items())]
+                 "max_context": max(v.max_context for v in snap.models[name].values())}
+                for name, versions in sorted(visible_models(snap, caller).items())]
         return {"object": "list", "data": data}
 
     async def run(request: Request, schema: type[CompletionBody] | type[ChatBody], chat: bool):
@@ -103,7 +103,7 @@ def create_app(router: Router, admin_tokens: dict[str, str]) -> FastAPI:
         router.cancel(request_id, caller)
         return {"id": request_id, "cancelled": True}
 
-    app.include_router(admin_router(router, admin_tokens))
+    app.include_router(admin_router(router))
     return app
 
 

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass, field
 
 from registry import queries
+from registry.admin_tokens import AdminIdentity, active_identities
 from registry.db import session_scope
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ class CallerInfo:
     allowed_models: tuple[str, ...]
     allowed_adapters: tuple[str, ...]
     region: str
+    canary_access: bool = False  # may pin versions that take no traffic (staged canaries)
+    max_concurrent: int = 0  # streams in flight at once across every router (0 = no cap)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class AdapterInfo:
     name: str
     base_model: str
     owner_team: str
+    base_version: str = ""
+    status: str = "ready"
 
 
 @dataclass
@@ -62,6 +67,7 @@ class Snapshot:
     callers_by_hash: dict[str, CallerInfo] = field(default_factory=dict)
     replicas: list[ReplicaInfo] = field(default_factory=list)
     adapters: dict[str, AdapterInfo] = field(default_factory=dict)
+    admin_tokens: tuple[AdminIdentity, ...] = ()
 
 
 def load_snapshot(db_url: str) -> Snapshot:
@@ -75,11 +81,12 @@ def load_snapshot(db_url: str) -> Snapshot:
         for c in queries.list_callers(s):
             snap.callers_by_hash[c.api_key_hash] = CallerInfo(
                 c.name, c.team, c.max_tier, c.token_quota_per_day, tuple(c.allowed_models or ()),
-                tuple(c.allowed_adapters or ()), c.region)
+                tuple(c.allowed_adapters or ()), c.region, bool(c.canary_access), int(c.max_concurrent or 0))
         snap.replicas = [ReplicaInfo(r.replica_id, r.model, r.version, r.region, r.grpc_url, r.http_url, r.state,
                                      r.pid or 0)
                          for r in queries.list_replicas(s)]
-        snap.adapters = {a.name: AdapterInfo(a.name, a.base_model, a.owner_team) for a in queries.list_adapters(s)}
+        snap.admin_tokens = active_identities(s)
+        snap.adapters = {a.name: AdapterInfo(a.name, a.base_model, a.owner_team, a.base_version, a.status) for a in queries.list_adapters(s)}
     return snap
 
 

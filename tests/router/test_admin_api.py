@@ -3,6 +3,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from registry import queries
+from registry.admin_tokens import set_admin_token
 from registry.db import migrate, session_scope
 from router_service.core import Router
 from router_service.http_frontend import create_app
@@ -20,8 +21,10 @@ def client(db_url):
         queries.set_routes(s, "m", {"1": 100}, actor="seed")
         queries.upsert_replica(s, "m-r0", model="m", version="1", grpc_url="127.0.0.1:1", http_url="http://x",
                                state="serving")
+        set_admin_token(s, "alice", "operator", OPERATOR)
+        set_admin_token(s, "victor", "viewer", VIEWER)
     router = Router(RegistryCache(db_url))
-    return TestClient(create_app(router, {OPERATOR: "operator", VIEWER: "viewer"})), db_url
+    return TestClient(create_app(router)), db_url
 
 
 def _auth(token):
