@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fleet.names import ADAPTER_NAME_RULE, valid_adapter_name
 from router_service.errors import invalid
 
 TIERS = ("interactive", "standard", "batch")
@@ -62,8 +61,6 @@ class GenerateRequest:
             raise invalid("messages", f"{len(self.chat_messages)} messages; at most {MAX_CHAT_MESSAGES}")
         if len(self.session) > MAX_SESSION_CHARS:
             raise invalid("session", f"at most {MAX_SESSION_CHARS} characters")
-        if self.adapter and not valid_adapter_name(self.adapter):
-            raise invalid("adapter", f"{self.adapter[:64]!r} is not an adapter name; allowed: {ADAPTER_NAME_RULE}")
         if self.prompt_ids is not None and len(self.prompt_ids) > max_context:
             raise invalid("prompt", f"has {len(self.prompt_ids)} token ids; the model's context is {max_context}")
         if self.prompt_text is not None and len(self.prompt_text.encode("utf-8", "surrogatepass")) > MAX_PROMPT_BYTES:

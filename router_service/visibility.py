@@ -11,6 +11,7 @@ request path), so nothing one door hides leaks through another:
 """
 from __future__ import annotations
 
+from fleet.names import ADAPTER_NAME_RULE, valid_adapter_name
 from router_service.errors import RouterError, invalid
 from router_service.registry_cache import AdapterInfo, CallerInfo, ModelInfo, Snapshot
 from router_service.request import TIERS, GenerateRequest
@@ -80,6 +81,8 @@ def resolve_model(snap: Snapshot, caller: CallerInfo, req: GenerateRequest) -> M
 
 
 def _resolve_adapter(snap: Snapshot, caller: CallerInfo, req: GenerateRequest) -> AdapterInfo:
+    if not valid_adapter_name(req.adapter):
+        raise invalid("adapter", f"{_short(req.adapter)} is not an adapter name; allowed: {ADAPTER_NAME_RULE}")
     adapter = snap.adapters.get(req.adapter)
     if adapter is None or adapter.base_model != req.model or not _owns(caller, adapter):
         if adapter is not None and adapter.base_model == req.model:

@@ -34,7 +34,7 @@ def test_rollout_to_30_percent_changes_the_route_and_writes_an_audit_row(stack, 
     assert _errors(at) == ""
     assert _routes(stack.db_url) == {"1": 70, "2": 30}
     newest = _audit(stack.db_url)[0]
-    assert newest[:3] == ("operator", "set_routes", MODEL) and newest[3] == {"routes": {"1": 70, "2": 30}}
+    assert newest[:3] == ("alice", "set_routes", MODEL) and newest[3] == {"routes": {"1": 70, "2": 30}}
     assert any("30 %" in s.value for s in at.success), "the page confirms the change"
     assert "set_routes" in at.dataframe[-1].value["action"].tolist(), "the audit table shows the change"
 
