@@ -115,11 +115,11 @@ class RouterStack:
                          timeout=5).json()
 
     def wait_reporting(self, replica_ids, timeout_s: float = 30) -> None:
-        """Until the router has the replicas in its registry snapshot and fresh state reports from them."""
+        """Until the router has the replicas in its registry snapshot as serving, with fresh state reports."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             seen = {r["replica_id"]: r for r in self.fleet()["replicas"]}
-            if all(rid in seen and seen[rid].get("reporting") for rid in replica_ids):
+            if all(rid in seen and seen[rid].get("reporting") and seen[rid]["state"] == "serving" for rid in replica_ids):
                 return
             time.sleep(0.2)
         raise TimeoutError(f"replicas {replica_ids} not reporting to the router: {self.fleet()}")
