@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-UTILISATION_TARGET = 0.60  # finance's target, averaged over a day (DESIGN.md §1)
+UTILISATION_TARGET = 0.60  # finance's target, averaged over a day (docs/architecture.md, Goals)
 FALLBACK_POLICIES = ("static", "reactive-gpu-util", "reactive-signals", "ours")
 
 

@@ -10,12 +10,12 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-from fleet.settings import load_settings
+from common.settings import load_settings
 from registry import queries
 from registry.db import session_scope
 from registry.warm_buffers import warm_buffer_problems
 
-DEFAULT_SLO_TTFT_MS = 500  # interactive tier (DESIGN.md §1) when a version has no warm-buffer row
+DEFAULT_SLO_TTFT_MS = 500  # interactive tier (docs/architecture.md, Goals) when a version has no warm-buffer row
 DEFAULT_SLO_TOKENS_PER_S = 40
 FLEET_COLUMNS = ["replica_id", "model", "version", "region", "state", "reporting", "inflight", "kv_utilisation",
                  "running", "waiting", "queue_wait_ms_p95", "ttft_ms_p95", "slo_ttft_ms_p95", "meets_slo",
@@ -130,31 +130,6 @@ def fleet_rollup(frame: pd.DataFrame) -> pd.DataFrame:
     sums = f.groupby(["model", "version", "region"])[["waiting", "tokens_per_s"]].sum(min_count=1)
     out = counts[["serving", "draining", "cordoned", "other"]].join(sums).reset_index()
     return out[cols]
-
-
-def validate_split(split: dict[str, int], known_versions: Iterable[str]) -> list[str]:
-    """Problems with a full percent split (empty = valid): unknown version, percent out of 0..100, sum != 100."""
-    known = set(known_versions)
-    problems = []
-    for version, percent in split.items():
-        if version not in known:
-            problems.append(f"unknown version {version!r}; known versions: {sorted(known)}")
-        if not 0 <= percent <= 100:
-            problems.append(f"percent for version {version!r} is {percent}; allowed 0..100")
-    total = sum(split.values())
-    if total != 100:
-        problems.append(f"the percents sum to {total}; they must sum to 100")
-    return problems
-
-
-def validate_percent(version: str, percent: int, known_versions: Iterable[str]) -> list[str]:
-    """Problems with giving one version a percent (empty = valid)."""
-    problems = []
-    if version not in set(known_versions):
-        problems.append(f"unknown version {version!r}; known versions: {sorted(set(known_versions))}")
-    if not 0 <= percent <= 100:
-        problems.append(f"percent is {percent}; allowed 0..100")
-    return problems
 
 
 def validate_warm_buffer(values: dict[str, int]) -> dict[str, str]:

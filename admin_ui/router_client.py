@@ -99,15 +99,3 @@ def _error_message(resp: httpx.Response) -> tuple[str, str]:
     if isinstance(err, dict):
         return str(err.get("message") or resp.reason_phrase), str(err.get("code") or "")
     return str(err), ""
-
-
-def role_from_token_files(token: str, operator_file, viewer_file) -> str | None:
-    """The role a token grants according to the data dir's token files (used when the router is down,
-    so a read-only view still works). None when the token matches neither file."""
-    for role, path in (("operator", operator_file), ("viewer", viewer_file)):
-        try:
-            if path.exists() and token and path.read_text().strip() == token:
-                return role
-        except OSError:
-            continue
-    return None

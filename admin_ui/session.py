@@ -6,14 +6,13 @@ still works. Writes are only offered to operators, and the router refuses a view
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import streamlit as st
 
-from admin_ui.router_client import AdminApiError, RouterClient, RouterDown, role_from_token_files
-from fleet.settings import Settings, load_settings
+from admin_ui.router_client import AdminApiError, RouterClient, RouterDown
+from common.settings import Settings, load_settings
 
 ROLES = ("operator", "viewer")
 
@@ -34,20 +33,13 @@ def login(token: str) -> tuple[str | None, str]:
     except AdminApiError as exc:
         return None, f"the router refused this token: {exc.message}"
     except RouterDown as exc:
-        role = _role_offline(token, s)
+        role = s.admin_tokens().get(token)  # the router is down: the env / data dir's token files decide
         if role is None:
             return None, f"{exc}; the token does not match the data dir's token files either"
         note = (f"The router is down ({s.router_http_url}); signed in from the data dir's token files; "
                 "only what the registry and the usage store hold can be shown.")
     st.session_state["token"], st.session_state["role"] = token, role
     return role, note
-
-
-def _role_offline(token: str, s: Settings) -> str | None:
-    for role, env in (("operator", "FLEET_ADMIN_TOKEN"), ("viewer", "FLEET_VIEWER_TOKEN")):
-        if os.environ.get(env) and os.environ[env] == token:
-            return role
-    return role_from_token_files(token, s.admin_token_file, s.viewer_token_file)
 
 
 def logout() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from fleet.settings import load_settings
+from common.settings import load_settings
 from usage import chargeback, store
 
 TOKEN_KINDS = {"prefill_tokens": "prefill", "cached_tokens": "cached", "decode_tokens": "decode"}

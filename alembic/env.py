@@ -4,7 +4,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from fleet.settings import load_settings
+from common.settings import load_settings
 from registry.schema import Base
 
 config = context.config

@@ -12,7 +12,7 @@ import signal
 import time
 from pathlib import Path
 
-from fleet.settings import REPO_ROOT
+from common.settings import REPO_ROOT
 
 log = logging.getLogger("autoscale")
 
@@ -22,8 +22,9 @@ def register(subparsers) -> None:
     from autoscale.simulator.settings import POLICIES
 
     sim = subparsers.add_parser("simulate", help="compare autoscaling policies on the simulated GPU fleet",
-                                description="Fluid simulation of the two-region GPU fleet over a day; compares "
-                                            "static, reactive-gpu-util, reactive-signals and ours. Writes JSON + PNGs.")
+                                description="Fluid simulation of the two-region GPU fleet over a day on the requirements' "
+                                            "numbers; compares static, reactive-gpu-util, reactive-signals, ours and "
+                                            "ours on disaggregated prefill/decode pools. Writes JSON + PNGs.")
     sim.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated subset of {','.join(POLICIES)}")
     sim.add_argument("--hours", type=float, default=24.0, help="measured horizon in hours (default 24)")
     sim.add_argument("--warmup-hours", type=float, default=15.0, help="simulated before the measured window (default 15)")
@@ -31,6 +32,18 @@ def register(subparsers) -> None:
     sim.add_argument("--seed", type=int, default=7)
     sim.add_argument("--assumptions", type=Path, default=None, help="assumptions JSON (default autoscale/simulator/assumptions.json)")
     sim.add_argument("--no-batch", action="store_true", help="simulate without batch-tier work")
+    sim.add_argument("--calibrate", type=Path, default=None, metavar="FILE",
+                     help="measured step costs (the engine bench's JSON, CPU or GPU, or JSON lines with batch/"
+                          "prefill_tok_s/decode_step_ms) replacing one model's assumed throughput")
+    sim.add_argument("--calibrate-model", default=None,
+                     help="model the calibration applies to (default: the one whose replica has as many GPUs "
+                          "as the measurement)")
+    sim.add_argument("--reuse", type=float, default=None,
+                     help="fix the interactive/standard prefix reuse (0..0.95) instead of the workload model's")
+    sim.add_argument("--reuse-sweep", type=float, nargs="*", default=None, metavar="LEVEL",
+                     help="also rerun ours + disaggregated at these reuse levels (default 0 .2 .4 .5 .6 .8); "
+                          "writes <out>-reuse-sweep.json and docs/img/autoscale-reuse-sweep.png")
+    sim.add_argument("--no-failure", action="store_true", help="no node failure at the peak")
     sim.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "autoscale-simulation.json",
                      help="JSON results path")
     sim.add_argument("--img-dir", type=Path, default=REPO_ROOT / "docs" / "img", help="directory for PNG plots")
@@ -50,6 +63,13 @@ def register(subparsers) -> None:
     run.add_argument("--target-load", type=float, default=0.7)
     run.add_argument("--namespace", default="llm", help="Kubernetes namespace")
     run.add_argument("--once", action="store_true", help="one tick, print the decisions as JSON, exit")
+    run.add_argument("--history-weeks", type=int, default=3,
+                     help="weeks of usage-store history the forecaster is fitted on (0 = no forecast)")
+    run.add_argument("--cpu-cores", type=int, default=None,
+                     help="local actuator: cores the replicas may use (default: this machine's); replicas x "
+                          "engine threads stays within them")
+    run.add_argument("--no-cpu-budget", action="store_true",
+                     help="local actuator: start replicas beyond cores / engine threads (they share cores)")
     run.set_defaults(func=cmd_autoscale_run, handler=cmd_autoscale_run)
 
 
@@ -66,10 +86,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; choose from {list(POLICIES)}")
+    if args.reuse is not None and not 0.0 <= args.reuse <= 0.95:
+        raise SystemExit(f"--reuse {args.reuse}: must be between 0 and 0.95 (share of prompt tokens from cache)")
     settings = SimSettings.from_file(args.assumptions, horizon_h=args.hours, warmup_h=args.warmup_hours,
-                                     step_s=args.step_s, seed=args.seed, batch_enabled=not args.no_batch)
+                                     step_s=args.step_s, seed=args.seed, batch_enabled=not args.no_batch,
+                                     node_failure=not args.no_failure, reuse_override=args.reuse)
+    if args.calibrate is not None:
+        from autoscale.simulator.calibrate import calibrated_assumptions
+
+        try:
+            settings.assumptions = calibrated_assumptions(settings.assumptions, args.calibrate, args.calibrate_model,
+                                                          settings.serving.stream_tokens_per_s)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--calibrate: {exc}") from exc
     console = Console()
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), time.process_time()
     log.info("preparing workload (%.0f M requests/day, %d pools) and forecasts", settings.workload.requests_per_day / 1e6,
              len(settings.pools()))
     inputs = prepare(settings, with_forecast="ours" in policies)
@@ -81,11 +112,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             results[name] = run_simulation(name, settings, inputs, lambda adv, _t=task: progress.advance(_t, adv))
             progress.update(task, completed=len(inputs.t_s))
     wall = time.monotonic() - t0
-    payload = results_json(results, settings, wall)
+    payload = results_json(results, settings, wall, inputs)
+    payload["run"]["cpu_s"] = time.process_time() - cpu0  # the machine is shared: CPU time is the comparable figure
     write_json(payload, args.out)
     if not args.no_plots:
         plot_pngs(results, args.img_dir)
-    table = Table(title=f"{args.hours:.0f} h simulated in {wall:.1f} s (seed {args.seed})")
+        if {"ours", "disaggregated"} <= set(results):
+            from autoscale.simulator.sweep import plot_disaggregated
+
+            plot_disaggregated(results, args.img_dir / "autoscale-disaggregated.png")
+    if args.reuse_sweep is not None:
+        from autoscale.simulator.sweep import DEFAULT_LEVELS, plot_reuse_sweep, reuse_sweep
+
+        levels = tuple(args.reuse_sweep) or DEFAULT_LEVELS
+        rows = reuse_sweep(settings, [p for p in ("ours", "disaggregated") if p in policies] or ["ours"], levels,
+                           inputs if inputs.forecasters is not None else None)
+        write_json({"benchmark": "autoscale-reuse-sweep", "levels": list(levels), "rows": rows},
+                   args.out.with_name(args.out.stem + "-reuse-sweep.json"))
+        if not args.no_plots:
+            plot_reuse_sweep(rows, args.img_dir / "autoscale-reuse-sweep.png")
+    table = Table(title=f"{args.hours:.0f} h simulated in {wall:.1f} s, {payload['run']['cpu_s']:.1f} s of CPU "
+                        f"(seed {args.seed})")
     rows = summary_table(results)
     for col in rows[0]:
         table.add_column(col)
@@ -100,7 +147,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_autoscale_run(args: argparse.Namespace) -> int:
     from autoscale.controller import Controller, pools_from_registry
-    from fleet.settings import load_settings
+    from common.settings import load_settings
 
     settings = load_settings()
     pools = [p for p in pools_from_registry(settings.db_url, settings.region) if args.model in (None, p.spec.model)]
@@ -112,7 +159,10 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
         from autoscale.actuators.local import LocalActuator
 
         token = settings.admin_token_file.read_text().strip() if settings.admin_token_file.exists() else None
-        actuator = LocalActuator(settings, [args.router_url or settings.router_http_url], admin_token=token)
+        actuator = LocalActuator(settings, [args.router_url or settings.router_http_url], admin_token=token,
+                                 cpu_cores=args.cpu_cores, cpu_budget=not args.no_cpu_budget)
+        log.info("local actuator: at most %s replicas (%d cores)", actuator.max_replicas or "unbounded",
+                 actuator.cpu_cores)
         for pool in pools:
             actuator.adopt(pool.spec)
     else:
@@ -120,7 +170,11 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
 
         actuator = KubernetesActuator(args.namespace)
     token = settings.admin_token_file.read_text().strip() if settings.admin_token_file.exists() else None
+    from autoscale.live_inputs import forecasts_from_usage
+
+    forecasts = forecasts_from_usage(settings.usage_db_path, pools, args.history_weeks) if args.history_weeks else {}
     controller = Controller(pools, actuator, args.router_url or settings.router_http_url, args.interval_s, admin_token=token,
+                            forecasts=forecasts,
                             decisions_path=settings.data_dir / "autoscale" / "decisions.jsonl")
     if args.once:
         print(json.dumps([d.__dict__ for d in controller.tick()], indent=2))
@@ -134,9 +188,10 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fleet.logs import setup_logging
+    from common.logs import setup_logging
+    from common.settings import load_settings
 
-    setup_logging("autoscale")
+    setup_logging("autoscale", load_settings().log_level)
     parser = argparse.ArgumentParser(prog="python -m autoscale.cli")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from autoscale.actuators import Actuator, PoolSpec
+from autoscale.live_inputs import batch_demand
 from autoscale.policy import ForecastPolicy, PoolState, ScalingGuard
 from autoscale.signals import Signals, read_signals
 
@@ -114,12 +115,15 @@ class Controller:
             counts = self.actuator.counts(pool.spec)
             slots = max(counts.serving, 1) * pool.max_running_per_replica
             sig.load = max(sig.load, min(1.0, (sig.running + sig.waiting) / slots))
-            state = PoolState(now, counts.serving, counts.starting, sig)
+            # batch demand: the batch requests queued in the router, due by their earliest deadline
+            state = PoolState(now, counts.serving, counts.starting, sig,
+                              batch_demand(sig, pool.replica_seconds_per_request))
             desired = self.policies[pool.spec.name].decide(state)
             decision = Decision(now, pool.spec.name, counts.serving, counts.starting, desired,
                                 {"load": round(sig.load, 3), "kv": round(sig.kv_utilisation, 3), "running": sig.running,
                                  "waiting": sig.waiting, "ttft_p95_s": round(sig.ttft_p95_s, 3),
-                                 "queue_wait_p95_s": round(sig.queue_wait_p95_s, 3)})
+                                 "queue_wait_p95_s": round(sig.queue_wait_p95_s, 3), "batch_waiting": sig.batch_waiting,
+                                 "batch_required": round(state.batch_required, 3)})
             self.history.append(decision)
             out.append(decision)
             if desired != counts.total:

@@ -49,13 +49,20 @@ class LoadForecaster:
         """Requests/s at seconds after the end of the history (linear between hourly points), corrected."""
         if self._hourly is None:
             raise RuntimeError("fit() first")
-        hours = np.asarray(seconds_ahead, dtype=float) / 3600.0 - 0.5  # hourly means sit mid-hour
+        if isinstance(seconds_ahead, float | int):  # the simulator's hot path: plain arithmetic, no arrays
+            h = seconds_ahead / 3600.0 - 0.5  # hourly means sit mid-hour
+            last = len(self._hourly) - 1
+            i = min(max(int(h // 1), 0), last)
+            frac = min(max(h - i, 0.0), 1.0) if i < last else 0.0
+            nxt = self._hourly[min(i + 1, last)]
+            return float(self._hourly[i] + (nxt - self._hourly[i]) * frac) * self.correction
+        hours = np.asarray(seconds_ahead, dtype=float) / 3600.0 - 0.5
         grid = np.arange(len(self._hourly))
         return np.interp(hours, grid, self._hourly) * self.correction
 
     def observe(self, seconds_ahead: float, observed_per_s: float, dt_s: float) -> None:
         """Online level correction: EWMA of observed / forecast (bounded to 0.5..2)."""
-        predicted = float(self.predict(seconds_ahead)) / self.correction
+        predicted = float(self.predict(float(seconds_ahead))) / self.correction
         if predicted <= 0:
             return
         alpha = 1.0 - 0.5 ** (dt_s / self.halflife_s)

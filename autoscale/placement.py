@@ -88,6 +88,21 @@ class Cluster:
     def release(self, slot: Slot) -> None:
         self.regions[slot.region].release(slot)
 
+    def free_replicas(self, region: str, gpus: int) -> int:
+        """How many more replicas of `gpus` GPUs fit in a region (whole replicas per node)."""
+        return int((self.regions[region].free_per_node // gpus).sum())
+
+    def busiest_node(self, region: str) -> int:
+        """The node with the most GPUs in use (the failure that hurts most)."""
+        return int(np.argmax(self.regions[region].used.sum(axis=1)))
+
+    def fail_node(self, region: str, node: int) -> None:
+        """A node goes down: all its GPUs are taken until repair_node (its replicas are lost by their pools)."""
+        self.regions[region].used[node, :] = True
+
+    def repair_node(self, region: str, node: int) -> None:
+        self.regions[region].used[node, :] = False
+
     def drain_order(self, slots: list[Slot]) -> list[Slot]:
         """Replicas in the order to drain: emptiest node first, so whole nodes free up."""
         free = {name: nodes.free_per_node for name, nodes in self.regions.items()}

@@ -32,6 +32,7 @@ class QueueResult:
     ttft_p95_s: np.ndarray
     queue_wait_p95_s: np.ndarray
     mean_ttft_s: np.ndarray
+    extra_attainment: list[np.ndarray]  # one per `extra_slos` entry (e.g. the standard tier)
 
 
 def erlang_c(c: np.ndarray, a: np.ndarray) -> np.ndarray:
@@ -46,9 +47,12 @@ def erlang_c(c: np.ndarray, a: np.ndarray) -> np.ndarray:
 def ttft_stats(arrivals_per_s: np.ndarray, serving: np.ndarray, backlog_s: np.ndarray,
                prompt_tokens: np.ndarray, prompt_prob: np.ndarray, slo_mask: np.ndarray,
                output_mean: float, prefill: np.ndarray, decode: np.ndarray, compute_factor: np.ndarray,
-               choice_width: int, interference: float, iteration_s: float, slo_s: float,
-               extra_latency_s: np.ndarray) -> QueueResult:
-    """TTFT distribution per pool for one step. Shapes: pools [K], prompt bins [B]."""
+               choice_width: int, interference: float | np.ndarray, iteration_s: float, slo_s: float,
+               extra_latency_s: np.ndarray, extra_slos: list[tuple[np.ndarray, float]] = ()) -> QueueResult:
+    """TTFT distribution per pool for one step. Shapes: pools [K], prompt bins [B].
+
+    `slo_mask`/`slo_s` give the attainment and p95 (the interactive tier); `extra_slos` adds the
+    attainment of further (prompt-bin mask, TTFT SLO) pairs from the same queue (other tiers)."""
     n = np.maximum(serving, 1e-9)
     lam_r = arrivals_per_s / n
     prompt_mean = float((prompt_tokens * prompt_prob).sum())
@@ -69,11 +73,14 @@ def ttft_stats(arrivals_per_s: np.ndarray, serving: np.ndarray, backlog_s: np.nd
     base = backlog_wait[:, None] + service + iteration_s + extra_latency_s[:, None]  # [K, B]
     no_capacity = serving < 1
     # Attainment: P(queue wait <= slo - base) over SLO-eligible prompt bins.
-    slack = slo_s - base
-    ok = np.where(slack >= 0, 1.0 - p_wait[:, None] * np.exp(-theta[:, None] * np.maximum(slack, 0)), 0.0)
+    def attain(mask: np.ndarray, slo: float) -> np.ndarray:
+        slack = slo - base
+        ok = np.where(slack >= 0, 1.0 - p_wait[:, None] * np.exp(-theta[:, None] * np.maximum(slack, 0)), 0.0)
+        weights = prompt_prob * mask
+        return np.where(no_capacity, 0.0, (ok * weights).sum(axis=1) / weights.sum())
+
+    attainment = attain(slo_mask, slo_s)
     elig = prompt_prob * slo_mask
-    attainment = (ok * elig).sum(axis=1) / elig.sum()
-    attainment = np.where(no_capacity, 0.0, attainment)
     # p95 of TTFT over eligible prompts, on a grid.
     gap = _P95_GRID[None, None, :] - base[:, :, None]
     cdf = np.where(gap >= 0, 1.0 - p_wait[:, None, None] * np.exp(-theta[:, None, None] * np.maximum(gap, 0)), 0.0)
@@ -85,4 +92,5 @@ def ttft_stats(arrivals_per_s: np.ndarray, serving: np.ndarray, backlog_s: np.nd
     ttft_p95 = np.where(no_capacity, _P95_GRID[-1], p95)
     qw = np.where(p_wait > 0.05, np.log(np.maximum(p_wait, 1e-12) / 0.05) / np.maximum(theta, 1e-12), 0.0)
     mean_ttft = backlog_wait + p_wait / np.maximum(theta, 1e-12) + (service * prompt_prob).sum(axis=1) + iteration_s
-    return QueueResult(util, attainment, ttft_p95, qw + backlog_wait, mean_ttft)
+    return QueueResult(util, attainment, ttft_p95, qw + backlog_wait, mean_ttft,
+                       [attain(mask, slo) for mask, slo in extra_slos])

@@ -8,6 +8,8 @@ batch reports ~100 % "utilisation" whatever the batch size, and CPU % says nothi
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 
 import httpx
@@ -52,6 +54,8 @@ class Signals:
     load: float = 0.0  # engine busy fraction: tokens/s over the calibrated tokens/s capacity, 0..1
     gpu_util: float = 0.0  # what nvidia-smi would say (for the comparison only)
     slo_ttft_s: float = 0.5
+    batch_waiting: float = 0.0  # batch requests in the router's admission queues (the batch demand)
+    batch_deadline_s: float | None = None  # seconds until the earliest queued batch deadline
     replicas: list[ReplicaSignals] = field(default_factory=list)
 
     @property
@@ -76,6 +80,8 @@ def aggregate(model: str, replicas: list[ReplicaSignals], pool: dict, slo_ttft_s
         queue_wait_p95_s=max([r.queue_wait_ms_p95 for r in serving] + [pool.get("queue_wait_ms_p95", 0.0)]) / 1000.0,
         requests_per_s=float(pool.get("requests_per_s", 0.0)),
         load=min(load, 1.0), slo_ttft_s=slo_ttft_s, replicas=serving,
+        batch_waiting=float(pool.get("batch_waiting", 0)),
+        batch_deadline_s=(pool["batch_deadline_ms"] / 1000.0 - time.time()) if pool.get("batch_deadline_ms") else None,
     )
 
 
@@ -103,6 +109,9 @@ def parse_fleet(payload: dict, model: str, slo_ttft_s: float,
             if key.startswith(f"{model}:") and isinstance(stats, dict):
                 pool["waiting"] = pool.get("waiting", 0) + stats.get("waiting", 0)
                 pool["queue_wait_ms_p95"] = max(pool.get("queue_wait_ms_p95", 0.0), stats.get("queue_wait_ms_p95", 0.0))
+                pool["batch_waiting"] = pool.get("batch_waiting", 0) + (stats.get("by_tier") or {}).get("batch", 0)
+                if stats.get("batch_deadline_ms"):
+                    pool["batch_deadline_ms"] = min(pool.get("batch_deadline_ms") or math.inf, stats["batch_deadline_ms"])
     else:
         pool = next((p for p in pools if p.get("model") == model), {})
     return aggregate(model, replicas, pool, slo_ttft_s, capacity_tokens_per_s)

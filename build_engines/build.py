@@ -15,44 +15,19 @@ import platform
 import shutil
 import time
 import uuid
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from fleet.settings import Settings
+from common.settings import Settings
 
-from build_engines import cpu, stage, triton_repo
+from build_engines import cpu, stage, triton_repo, trtllm
+from build_engines.layout import BuildResult, artefacts_ok, clean_stale_partials, store_uri, version_dir
 from build_engines.plan import (SMOLLM2_ALIAS, BuildError, BuildOptions, BuildPlan, check_options,
                                 inputs_fingerprint, inspect_checkpoint, precheck_checkpoint, resolve)
 from build_engines.register import Registration, check_existing, read_row
 
 TOOL_VERSION = "build-engines 0.2"
-
-
-@dataclass
-class BuildResult:
-    """What happened: `noop`, `built` (staged), or `planned` (dry run)."""
-    outcome: str
-    model: str
-    version: str
-    row: dict[str, Any] | None = None
-    message: str = ""
-    plan_text: str = ""
-    files: dict[str, str] = field(default_factory=dict)
-
-
-def version_dir(settings: Settings, model: str, version: str) -> Path:
-    return settings.engines_dir / model / version
-
-
-def default_store(settings: Settings) -> str:
-    return str(settings.data_dir / "weights-store")
-
-
-def store_uri(settings: Settings, opts: BuildOptions) -> str:
-    base = (opts.weights_store or default_store(settings)).rstrip("/")
-    return f"{base}/{opts.model}/{opts.version}"
 
 
 def conversion_cache_dir(settings: Settings, alias: str | None, sha: str, dtype: str) -> Path:
@@ -113,21 +88,6 @@ def link_or_copy_tree(src: Path, dst: Path, label: str) -> str:
         return "copy"
 
 
-def clean_stale_partials(vdir: Path, uri: str) -> None:
-    """Remove half-written folders that a killed build (SIGKILL, power loss) left next to the version's."""
-    dirs = [vdir] + ([stage.local_path(uri)] if stage.is_local_uri(uri) else [])
-    for d in dirs:
-        for p in d.parent.glob(f".{d.name}.partial-*") if d.parent.exists() else []:
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def artefacts_ok(settings: Settings, model: str, version: str, uri: str) -> bool:
-    vdir = version_dir(settings, model, version)
-    return (((vdir / "weights" / stage.MANIFEST).is_file() or (vdir / stage.MANIFEST).is_file())
-            and (vdir / "model_repository" / "llm" / "config.pbtxt").is_file()
-            and stage.read_manifest(uri) is not None)
-
-
 def build(opts: BuildOptions, settings: Settings, db_url: str | None = None) -> BuildResult:
     """Run one build; raises BuildError for bad input (before any work) or a failed step (row -> failed)."""
     db_url = db_url or settings.db_url
@@ -136,7 +96,6 @@ def build(opts: BuildOptions, settings: Settings, db_url: str | None = None) -> 
     check_options(opts)
     ckpt_path, alias = precheck_checkpoint(opts.checkpoint)
     if opts.target == "trtllm":
-        from build_engines import trtllm  # GPU target: planned here, executed in NVIDIA's container
         return trtllm.build_trtllm(opts, settings, db_url)
     sha = stage.checkpoint_sha256(ckpt_path, settings.cache_dir / "checksums.json")
     timings["checksum_s"] = time.perf_counter() - t0

@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import Any
 
-from fleet.settings import load_settings
+from common.settings import load_settings
 
 from build_engines.plan import (BATCH_POLICIES, CPU_DTYPES, DEFAULT_LORA_MODULES, SMOLLM2_ALIAS, TARGETS,
                                 TRTLLM_DTYPES, BuildError, parse_options)

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from string import Template
 
-from fleet.settings import REPO_ROOT
+from common.settings import REPO_ROOT
 
 TEMPLATES = REPO_ROOT / "model_repository"
 CPU_STEPS = ("llm", "preprocessing", "engine", "postprocessing")

@@ -18,9 +18,7 @@ and a real run stops before any work with an error that says where to run it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -31,16 +29,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from fleet.settings import REPO_ROOT, Settings
+from common.settings import REPO_ROOT, Settings
 
 from build_engines import stage, triton_repo
+from build_engines.layout import BuildResult, artefacts_ok, clean_stale_partials, store_uri, version_dir
 from build_engines.plan import (BuildError, BuildOptions, BuildPlan, inputs_fingerprint, inspect_checkpoint,
                                 precheck_checkpoint, resolve)
 from build_engines.register import Registration, check_existing, read_row
 
 TRTLLM_VERSION = "0.17.0"
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3"
-EXAMPLES_DIR = os.environ.get("TRTLLM_EXAMPLES_DIR", "/opt/TensorRT-LLM/examples")
 TEMPLATES = REPO_ROOT / "model_repository"
 GPU_TEMPLATES = {"llm": TEMPLATES / "gpu" / "llm", "preprocessing": TEMPLATES / "gpu" / "preprocessing",
                  "tensorrt_llm": TEMPLATES / "tensorrt_llm", "postprocessing": TEMPLATES / "gpu" / "postprocessing"}
@@ -63,13 +61,8 @@ class TrtllmPlan:
         return "\n".join(shlex.join(c) for c in self.commands)
 
 
-def lora_task_id(adapter: str) -> int:
-    """Stable uint64 LoRA task id of an adapter name (the backend's LoRA cache key)."""
-    return int.from_bytes(hashlib.sha256(adapter.encode()).digest()[:8], "big") >> 1
-
-
 def plan_trtllm(plan: BuildPlan, work_dir: Path, serve_dir: Path, adapters_dir: Path,
-                examples_dir: str = EXAMPLES_DIR) -> TrtllmPlan:
+                examples_dir: str) -> TrtllmPlan:
     """Commands + config values; paths: work_dir (build scratch), serve_dir (the version's node-local folder)."""
     o, tp = plan.opts, plan.tensor_parallel
     hf = str(plan.ckpt.path)
@@ -161,10 +154,8 @@ def _run(cmd: list[str], log: Path, label: str) -> float:
     return time.perf_counter() - t
 
 
-def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str) -> Any:
+def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str) -> BuildResult:
     """Validate, then either print the plan (--dry-run) or run it, stage it and register it."""
-    from build_engines.build import BuildResult, store_uri, version_dir
-
     if precheck_checkpoint(opts.checkpoint)[0].is_file():
         raise BuildError("--checkpoint", "the trtllm target needs a Hugging Face folder (safetensors); GGUF "
                                          "checkpoints are only taken by the cpu target")
@@ -172,7 +163,7 @@ def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str) -> Any:
     plan = resolve(opts, ckpt)
     vdir = version_dir(settings, opts.model, opts.version)
     work = settings.data_dir / "build" / f"{opts.model}-{opts.version}"
-    examples = opts.trtllm_examples or EXAMPLES_DIR
+    examples = opts.trtllm_examples or settings.trtllm_examples_dir
     tp_plan = plan_trtllm(plan, work, vdir, settings.data_dir / "adapters", examples)
     uri = store_uri(settings, opts)
     if opts.dry_run:
@@ -200,10 +191,8 @@ def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str) -> Any:
 
 
 def _run_build(opts: BuildOptions, settings: Settings, db_url: str, ckpt: Any, plan: BuildPlan, vdir: Path,
-               work: Path, tp_plan: TrtllmPlan, uri: str) -> Any:
+               work: Path, tp_plan: TrtllmPlan, uri: str) -> BuildResult:
     """The real TensorRT-LLM build (GPU node), under the version's lock."""
-    from build_engines.build import BuildResult, artefacts_ok, clean_stale_partials
-
     clean_stale_partials(vdir, uri)
     sha = stage.checkpoint_sha256(ckpt.path, settings.cache_dir / "checksums.json")
     fields = plan.fingerprint_fields(sha)

@@ -1,1 +1,1 @@
-"""Fleet: the `fleet` CLI, local process supervision and helpers shared by every component."""
+"""Fleet: the `fleet` CLI that runs the whole local platform (`fleet up/down/status`, `fleet seed`)."""

@@ -5,8 +5,8 @@ import argparse
 import importlib
 import inspect
 
-from fleet.logs import setup_logging
-from fleet.settings import load_settings
+from common.logs import setup_logging
+from common.settings import load_settings
 
 # Component command groups: module path -> each provides `register(subparsers)`.
 COMPONENT_COMMANDS = ("usage.cli", "autoscale.cli", "registry.admin_tokens")
@@ -15,7 +15,8 @@ COMPONENT_COMMANDS = ("usage.cli", "autoscale.cli", "registry.admin_tokens")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleet", description="LLM serving platform: start/stop the local platform, meter usage, simulate "
-                                  "the fleet. Ports and paths come from FLEET_* env vars (see README).")
+                                  "the fleet. Ports and paths come from FLEET_* env vars "
+                                  "(docs/architecture.md, Ports and settings).")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("up", "start the whole platform locally (idempotent) and print its endpoints"),
                             ("down", "stop every process `fleet up` started"),
@@ -33,15 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    setup_logging("fleet")
+    settings = load_settings()
+    setup_logging("fleet", settings.log_level)
     handler = args.handler
     if callable(handler):  # component commands take (args) or (args, settings)
         params = inspect.signature(handler).parameters
-        handler(args, load_settings()) if len(params) >= 2 else handler(args)
+        handler(args, settings) if len(params) >= 2 else handler(args)
         return
     from fleet import platform
     from fleet.seed import seed
-    settings = load_settings()
     if handler == "seed":
         from registry.db import migrate
         migrate(settings.db_url)

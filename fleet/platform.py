@@ -7,7 +7,6 @@ when already running, so `up` is re-runnable.
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import urllib.request
@@ -15,11 +14,11 @@ import urllib.request
 from rich.console import Console
 from rich.table import Table
 
-from fleet import processes
-from fleet.replicas import ReplicaSpec, start_replica, stop_replica
+from common import processes
+from autoscale.actuators.replicas import ReplicaSpec, start_replica, stop_replica
 from fleet.seed import DEFAULT_MODEL, DEFAULT_VERSION, seed
-from fleet.services import start_tansu
-from fleet.settings import REPO_ROOT, Settings
+from common.services import start_tansu
+from common.settings import REPO_ROOT, Settings
 from registry.db import migrate
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ def up(settings: Settings) -> None:
     console.print(f"  [green]✓[/] registry at {settings.db_url}")
     build_default_engine(settings)
     api_key, admin_token = seed(settings)
-    if "KAFKA_BOOTSTRAP_SERVERS" not in os.environ and not _alive(settings, "kafka"):
+    if not settings.kafka_is_external and not _alive(settings, "kafka"):
         proc = start_tansu(settings, settings.kafka_port, settings.logs_dir / "kafka.log")
         processes.record(settings, "kafka", proc, {"kind": "kafka", "port": settings.kafka_port})
         console.print(f"  [green]✓[/] Kafka broker (tansu) on {settings.kafka_bootstrap}")
@@ -71,7 +70,7 @@ def up(settings: Settings) -> None:
     console.print("  [green]✓[/] Triton replica serving ensemble `llm`")
     _start(settings, "router", [sys.executable, "-m", "router_service"],
            lambda: _http_ok(f"{settings.router_http_url}/health"), "router", info={"kind": "router"})
-    if os.environ.get("FLEET_AUTOSCALER", "on") != "off":
+    if settings.autoscaler:
         _start(settings, "autoscaler", [sys.executable, "-m", "fleet.cli", "autoscale", "run"], lambda: True,
                "autoscaler (local actuator)", info={"kind": "autoscaler"})
     ui = f"http://127.0.0.1:{settings.admin_ui_port}"

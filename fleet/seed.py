@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
-from fleet.settings import REPO_ROOT, Settings
+from common.settings import REPO_ROOT, Settings
 from registry import queries
 from registry.admin_tokens import ensure_admin_token, new_admin_token
 from registry.db import session_scope
@@ -40,9 +39,9 @@ def seed(settings: Settings) -> tuple[str, str]:
     tokens: dict[str, str] = {}
     # the local operator "admin" and viewer "viewer": plaintext only in the data dir's 0600 files (for `make up`
     # and the admin UI), hashed in the registry; named tokens for people come from `fleet admin-token create`
-    for name, role, path, env in (("admin", "operator", settings.admin_token_file, "FLEET_ADMIN_TOKEN"),
-                                  ("viewer", "viewer", settings.viewer_token_file, "FLEET_VIEWER_TOKEN")):
-        token = os.environ.get(env) or (path.read_text().strip() if path.exists() else "")
+    for name, role, path, given in (("admin", "operator", settings.admin_token_file, settings.admin_token),
+                                    ("viewer", "viewer", settings.viewer_token_file, settings.viewer_token)):
+        token = given or (path.read_text().strip() if path.exists() else "")
         if not token:
             token = new_admin_token(role)
             path.write_text(token + "\n")

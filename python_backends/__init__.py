@@ -1,1 +1,2 @@
-"""Code behind the Triton Python-backend models (DESIGN.md §2): the CPU engine lives in `engine/`."""
+"""Code behind the Triton Python-backend models: the CPU engine lives in `engine/`
+(docs/architecture.md, Components and layers)."""

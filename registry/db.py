@@ -10,7 +10,7 @@ from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-from fleet.settings import REPO_ROOT
+from common.settings import REPO_ROOT
 
 _engines: dict[str, Engine] = {}
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -54,14 +56,20 @@ def list_model_versions(session: Session) -> list[ModelVersion]:
     return list(session.scalars(select(ModelVersion).order_by(ModelVersion.name, ModelVersion.version)))
 
 
-def upsert_model_version(session: Session, name: str, version: str, **fields) -> ModelVersion:
-    row = get_model_version(session, name, version)
+def upsert(session: Session, row: Any, create: Callable[[], Any], fields: dict[str, Any]) -> Any:
+    """Set `fields` on `row`, or add the row `create()` makes when `row` is None; returns the row."""
     if row is None:
-        row = ModelVersion(name=name, version=version, **fields)
+        row = create()
         session.add(row)
     else:
         for key, value in fields.items():
             setattr(row, key, value)
+    return row
+
+
+def upsert_model_version(session: Session, name: str, version: str, **fields) -> ModelVersion:
+    row = upsert(session, get_model_version(session, name, version),
+                 lambda: ModelVersion(name=name, version=version, **fields), fields)
     bump_version(session)
     session.flush()
     return row
@@ -88,20 +96,37 @@ def all_routes(session: Session) -> dict[str, dict[str, int]]:
     return out
 
 
+def percent_problems(version: str, percent: int, known_versions: Iterable[str]) -> list[str]:
+    """Problems with giving `version` `percent` of a model's traffic (empty = valid)."""
+    known = sorted(set(known_versions))
+    problems = []
+    if version not in known:
+        problems.append(f"no version {version!r}; known versions: {known}")
+    if not 0 <= percent <= 100:
+        problems.append(f"percent for version {version!r} is {percent}; allowed 0..100")
+    return problems
+
+
+def split_problems(split: dict[str, int], known_versions: Iterable[str]) -> list[str]:
+    """Problems with a full percent split (empty = valid): the route rules, checked here for `set_routes`
+    and by the admin UI before it sends a split."""
+    known = list(known_versions)
+    problems = [p for version, percent in split.items() for p in percent_problems(version, percent, known)]
+    if sum(split.values()) != 100:
+        problems.append(f"the percents sum to {sum(split.values())}; they must sum to 100")
+    return problems
+
+
 def set_routes(session: Session, model: str, split: dict[str, int], actor: str) -> None:
     """Replace a model's percent split; it must name known versions and sum to 100."""
+    problems = split_problems(split, (m.version for m in list_model_versions(session) if m.name == model))
+    if problems:
+        raise RegistryError(f"routes of {model!r}: " + "; ".join(problems))
     for version, percent in split.items():
-        if not 0 <= percent <= 100:
-            raise RegistryError(f"percent for version {version!r} is {percent}; allowed 0..100")
         row = get_model_version(session, model, version)
-        if row is None:
-            known = sorted(m.version for m in list_model_versions(session) if m.name == model)
-            raise RegistryError(f"model {model!r} has no version {version!r}; known versions: {known}")
         if percent > 0 and row.status not in ROUTABLE_STATUSES:
             raise RegistryError(f"version {version!r} of {model!r} is {row.status!r}; only {list(ROUTABLE_STATUSES)} "
                                 f"versions can take traffic")
-    if sum(split.values()) != 100:
-        raise RegistryError(f"route percents for {model!r} sum to {sum(split.values())}; they must sum to 100")
     before = routes_for(session, model)
     for row in session.scalars(select(Route).where(Route.model == model)):
         session.delete(row)
@@ -174,13 +199,7 @@ def upsert_adapter(session: Session, name: str, base_model: str, base_version: s
 # --- replicas ----------------------------------------------------------------------------------------
 
 def upsert_replica(session: Session, replica_id: str, **fields) -> Replica:
-    row = session.get(Replica, replica_id)
-    if row is None:
-        row = Replica(replica_id=replica_id, **fields)
-        session.add(row)
-    else:
-        for key, value in fields.items():
-            setattr(row, key, value)
+    row = upsert(session, session.get(Replica, replica_id), lambda: Replica(replica_id=replica_id, **fields), fields)
     bump_version(session)
     return row
 

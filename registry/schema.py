@@ -1,4 +1,6 @@
-"""SQLAlchemy 2 ORM tables of the registry (DESIGN.md §5). Changed only through an Alembic migration."""
+"""SQLAlchemy 2 ORM tables of the registry (docs/architecture.md, Registry).
+
+Changed only through an Alembic migration."""
 from __future__ import annotations
 
 from datetime import datetime, timezone

@@ -8,7 +8,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from registry.queries import RegistryError, audit, bump_version, get_model_version
+from registry.queries import RegistryError, audit, bump_version, get_model_version, upsert
 from registry.schema import WarmBuffer
 
 FIELDS = ("min_idle_replicas", "min_replicas", "max_replicas", "slo_ttft_ms_p95", "slo_tokens_per_s")
@@ -54,12 +54,7 @@ def set_warm_buffer(session: Session, model: str, version: str, min_idle_replica
         raise RegistryError(f"model {model!r} has no version {version!r}")
     row = get_warm_buffer(session, model, version)
     before = {f: getattr(row, f) for f in FIELDS} if row is not None else None
-    if row is None:
-        row = WarmBuffer(model=model, version=version, **values)
-        session.add(row)
-    else:
-        for key, value in values.items():
-            setattr(row, key, value)
+    upsert(session, row, lambda: WarmBuffer(model=model, version=version, **values), values)
     audit(session, actor, "set_warm_buffer", f"{model}/{version}", before, values)
     bump_version(session)
     return values

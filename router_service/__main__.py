@@ -3,24 +3,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 
 import uvicorn
 
-from fleet.logs import setup_logging
-from fleet.settings import load_settings
+from common.logs import setup_logging
+from common.report_channel import load_report_secret
+from common.settings import Settings, load_from_env, load_settings
 from router_service.core import Router
 from router_service.grpc_frontend import start_grpc_server
 from router_service.http_frontend import create_app
 from router_service.internal_api import create_internal_app
-from fleet.report_channel import load_report_secret
 from router_service.registry_cache import RegistryCache
+from router_service.settings import RouterSettings
 from usage.producer import UsageProducer
 
 
-def parse_args() -> argparse.Namespace:
-    s = load_settings()
+def parse_args(s: Settings, rs: RouterSettings) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m router_service",
                                  description="The platform's front door: authenticates callers, picks model version "
                                              "and replica, streams tokens, meters usage.")
@@ -34,27 +33,27 @@ def parse_args() -> argparse.Namespace:
                     help="port of the internal listener (FLEET_ROUTER_INTERNAL_PORT)")
     ap.add_argument("--db-url", default=s.db_url, help="registry database URL (FLEET_DB_URL)")
     ap.add_argument("--kafka", default=s.kafka_bootstrap, help="Kafka bootstrap servers for usage events")
-    ap.add_argument("--max-waiting", type=int, default=int(os.environ.get("FLEET_ROUTER_MAX_WAITING", 256)),
+    ap.add_argument("--max-waiting", type=int, default=rs.max_waiting,
                     help="admission queue bound per model version (FLEET_ROUTER_MAX_WAITING)")
     ap.add_argument("--no-usage", action="store_true", help="do not meter usage (benchmarks only)")
     return ap.parse_args()
 
 
-async def serve(args: argparse.Namespace) -> None:
-    log = setup_logging("router")
-    settings = load_settings()
+async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings) -> None:
+    log = setup_logging("router", settings.log_level)
     registry = RegistryCache(args.db_url)
     producer = None if args.no_usage else UsageProducer(args.kafka, settings.spool_dir / "router", settings.usage_topic)
     if producer is not None:
         producer.start()
-    router = Router(registry, producer, region=settings.region, max_waiting=args.max_waiting)
+    router = Router(registry, producer, region=settings.region, choice=rs.choice_params(), gateway=rs.gateway(),
+                    max_waiting=args.max_waiting, batch_yield=rs.batch_yielder())
     grpc_server = await start_grpc_server(router, args.host, args.grpc_port)
     config = uvicorn.Config(create_app(router), host=args.host, port=args.http_port,
                             log_level="warning", lifespan="off")
     http_server = uvicorn.Server(config)
     http_server.install_signal_handlers = lambda: None
     internal_server = uvicorn.Server(uvicorn.Config(
-        create_internal_app(router, load_report_secret(settings.report_secret_file)), host=args.internal_host,
+        create_internal_app(router, load_report_secret(settings)), host=args.internal_host,
         port=args.internal_port, log_level="warning", lifespan="off"))
     internal_server.install_signal_handlers = lambda: None
     stop = asyncio.Event()
@@ -83,7 +82,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    asyncio.run(serve(parse_args()))
+    settings, rs = load_settings(), load_from_env(RouterSettings)  # read once, at start; a bad value stops here
+    asyncio.run(serve(parse_args(settings, rs), settings, rs))
 
 
 if __name__ == "__main__":

@@ -1,21 +1,18 @@
-"""What a finished request leaves behind: Prometheus counters and one usage event (DESIGN.md §6)."""
+"""What a finished request leaves behind: Prometheus counters and one usage event
+(docs/architecture.md, Usage events)."""
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from router_service import metrics
-from router_service.request import Finished
+from router_service.request import Finished, Prepared
 from usage.events import UsageEvent
-
-if TYPE_CHECKING:
-    from router_service.core import Prepared
 
 log = logging.getLogger(__name__)
 
 
-def account(producer, p: "Prepared", finish: Finished | None, status: str, completion_tokens: int,
+def account(producer, p: Prepared, finish: Finished | None, status: str, completion_tokens: int,
             first_token_at: float | None, replica_id: str) -> None:
     """Count the request in the metrics and spool its usage event (never raises: metering must not break serving)."""
     req = p.req

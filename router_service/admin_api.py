@@ -82,7 +82,8 @@ def admin_router(router: Router) -> APIRouter:
                      "load_tokens": round(router.chooser.load.get(r.replica_id, 0.0)),
                      **router.replica_state.summary(r.replica_id)}
                     for r in snap.replicas]
-        queues = {name: {"waiting": len(q.waiting), "retry_after_ms": q.retry_after_ms()}
+        queues = {name: {"waiting": len(q.waiting), "retry_after_ms": q.retry_after_ms(), "by_tier": q.tier_counts(),
+                         "batch_deadline_ms": q.earliest_deadline_ms("batch")}
                   for name, q in router.queues.items()}
         return {"registry_version": snap.version, "routes": snap.routes, "replicas": replicas, "queues": queues}
 

@@ -156,10 +156,19 @@ class AdmissionQueue:
             del self.waiting[i]
             self._gauge()
 
-    def _gauge(self) -> None:
+    def tier_counts(self) -> dict[str, int]:
+        """Tickets waiting per tier (the autoscaler reads the batch count as batch demand)."""
         counts = dict.fromkeys(TIERS, 0)
         for t in self.waiting:
             counts[t.tier] += 1
-        for tier, n in counts.items():
+        return counts
+
+    def earliest_deadline_ms(self, tier: str) -> float | None:
+        """Earliest absolute deadline (epoch ms) among waiting tickets of a tier; None when none has one."""
+        deadlines = [t.key[1] for t in self.waiting if t.tier == tier and t.key[1] != math.inf]
+        return min(deadlines) if deadlines else None
+
+    def _gauge(self) -> None:
+        for tier, n in self.tier_counts().items():
             metrics.QUEUE_DEPTH.labels(self.model, tier).set(n)
 

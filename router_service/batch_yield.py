@@ -13,7 +13,6 @@ Two modes (FLEET_ROUTER_BATCH_YIELD):
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from router_service import metrics
@@ -21,14 +20,15 @@ from router_service.cancellation import CancelHandle
 
 log = logging.getLogger(__name__)
 MODES = ("share", "preempt")
+DEFAULT_GRACE_S = 0.5
 
 
 class BatchYield:
-    def __init__(self, mode: str | None = None, grace_s: float | None = None) -> None:
-        self.mode = mode or os.environ.get("FLEET_ROUTER_BATCH_YIELD", "share")
+    def __init__(self, mode: str = "share", grace_s: float = DEFAULT_GRACE_S) -> None:
+        self.mode = mode
         if self.mode not in MODES:
             raise ValueError(f"FLEET_ROUTER_BATCH_YIELD must be one of {', '.join(MODES)}, not {self.mode!r}")
-        self.grace_s = grace_s if grace_s is not None else float(os.environ.get("FLEET_ROUTER_BATCH_GRACE_S", 0.5))
+        self.grace_s = grace_s
         self.interactive_active: dict[str, int] = {}
         self.interactive_seen: dict[str, float] = {}
         self.running_batch: dict[str, set[CancelHandle]] = {}

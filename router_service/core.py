@@ -11,9 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
-from fleet.hashing import prefix_block_hashes
 from router_service import metrics
 from router_service.accounting import account
 from router_service.admission import AdmissionQueue
@@ -25,7 +23,7 @@ from router_service.regions import candidate_tiers, home_region
 from router_service.registry_cache import CallerInfo, ModelInfo, RegistryCache, ReplicaInfo
 from router_service.replica_choice import ChoiceParams, Placement, ReplicaChooser
 from router_service.replica_state import ReplicaStateTable
-from router_service.request import Finished, GenerateRequest, TokenDelta
+from router_service.request import Finished, GenerateRequest, Prepared, TokenDelta
 from router_service.tokenization import TokenizerCache
 from router_service.upstream import Preempted, ReplicaClient, ReplicaFailed
 from router_service.visibility import resolve_model
@@ -35,30 +33,10 @@ MAX_ATTEMPTS = 3
 INLINE_TOKENIZE_CHARS = 2000
 
 
-@dataclass
-class Prepared:
-    req: GenerateRequest
-    caller: CallerInfo
-    model: ModelInfo
-    prompt_ids: list[int]
-    arrived: float = field(default_factory=time.monotonic)
-    home: str = "local"
-    quota_reserved: int = 0
-    placement: Placement | None = None
-    handle: CancelHandle | None = None
-    started: bool = False
-    _hashes: dict[tuple[int, int], list[int]] = field(default_factory=dict)
-
-    def hashes(self, ids: list[int], block_size: int) -> list[int]:
-        key = (len(ids), block_size)
-        if key not in self._hashes:
-            self._hashes[key] = prefix_block_hashes(ids, block_size)
-        return self._hashes[key]
-
-
 class Router:
     def __init__(self, registry: RegistryCache, usage_producer=None, region: str = "local",
-                 choice: ChoiceParams | None = None, gateway: Gateway | None = None, max_waiting: int = 256) -> None:
+                 choice: ChoiceParams | None = None, gateway: Gateway | None = None, max_waiting: int = 256,
+                 batch_yield: BatchYield | None = None) -> None:
         self.registry = registry
         self.usage = usage_producer
         self.region = region
@@ -73,7 +51,7 @@ class Router:
         self.queues: dict[str, AdmissionQueue] = {}
         self.max_waiting = max_waiting
         self.requests = InflightRequests()
-        self.batch_yield = BatchYield()
+        self.batch_yield = batch_yield or BatchYield()
 
     @property
     def inflight(self) -> dict[str, int]:

@@ -1,5 +1,5 @@
-"""Gateway checks per caller: request rate limit (per router, in memory), daily token quota and concurrency
-cap (shared by every router, in the registry database).
+"""Gateway checks per caller (docs/architecture.md, One request, step 3): request rate limit (per router, in
+memory), daily token quota and concurrency cap (shared by every router, in the registry database).
 
 API keys are looked up by their hash in the registry snapshot (`RegistryCache.caller_for_key`); the
 tier and adapter rights are checked in `visibility.resolve_model`. This module holds the counters.
@@ -25,6 +25,8 @@ from registry.db import session_scope
 from router_service.errors import RouterError
 
 log = logging.getLogger(__name__)
+DEFAULT_RATE_PER_S = 200.0  # requests per second per caller (token bucket refill)
+DEFAULT_BURST = 400.0
 
 
 def _today() -> str:
@@ -44,9 +46,9 @@ class _Bucket:
 
 
 class Gateway:
-    def __init__(self, rate_per_s: float | None = None, burst: float | None = None) -> None:
-        self.rate_per_s = rate_per_s if rate_per_s is not None else float(os.environ.get("FLEET_ROUTER_RATE_LIMIT_RPS", 200))
-        self.burst = burst if burst is not None else float(os.environ.get("FLEET_ROUTER_RATE_LIMIT_BURST", 400))
+    def __init__(self, rate_per_s: float = DEFAULT_RATE_PER_S, burst: float = DEFAULT_BURST) -> None:
+        self.rate_per_s = rate_per_s
+        self.burst = burst
         self.buckets: dict[str, _Bucket] = {}
 
     def check_rate(self, caller: str) -> None:

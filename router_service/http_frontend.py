@@ -16,11 +16,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from router_service.admin_api import admin_router
-from router_service.core import Prepared, Router
+from router_service.core import Router
 from router_service.errors import RouterError
 from router_service.http_body import read_body
 from router_service.openai_schema import ChatBody, CompletionBody
-from router_service.request import TIERS, Finished, TokenDelta
+from router_service.request import TIERS, Finished, Prepared, TokenDelta
 from router_service.visibility import visible_models
 
 

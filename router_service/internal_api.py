@@ -2,7 +2,7 @@
 
 Who may call it: registered replicas only. It listens on its own address (`--internal-host`, loopback by
 default; a pod-network address plus a NetworkPolicy in Kubernetes) and every report must carry a fresh
-signature by the reporting replica's own key (fleet/report_channel.py). A report is refused (401/403/404)
+signature by the reporting replica's own key (common/report_channel.py). A report is refused (401/403/404)
 when unsigned, signed by another key, stale, or from a replica the registry does not know; it is refused
 (400) when it does not fit the `ReplicaReport` schema. Reports feed routing hints only: they can never lift
 a cordon (see `Router.serving_replicas`).
@@ -16,12 +16,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from fleet.report_channel import REPLICA_HEADER, REPORT_PATH, SIGNATURE_HEADER, ReportAuthError, verify_report
+from common.report_channel import REPLICA_HEADER, REPORT_PATH, SIGNATURE_HEADER, ReportAuthError, verify_report
 from router_service import metrics
 from router_service.core import Router
 from router_service.errors import RouterError
 from router_service.http_body import read_body
-from router_service.replica_state import ReplicaReport
+from common.replica_report import ReplicaReport
 
 log = logging.getLogger(__name__)
 MAX_REPORT_BYTES = 32_000_000  # a full snapshot of 1M prefix hashes

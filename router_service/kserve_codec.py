@@ -1,5 +1,5 @@
 """KServe v2 protobuf <-> router types: decode a ModelInferRequest into a GenerateRequest and
-encode streamed deltas as ModelInferResponses (tensor names of DESIGN.md §4)."""
+encode streamed deltas as ModelInferResponses (tensor names: docs/architecture.md, Replica interface)."""
 from __future__ import annotations
 
 import struct
@@ -10,7 +10,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor, triton_to_np_dtype
 
-from fleet.names import CLIENT_ID_RE, CLIENT_ID_RULE
+from common.names import CLIENT_ID_RE, CLIENT_ID_RULE
 from router_service.errors import RouterError, invalid
 from router_service.request import TIERS, Finished, GenerateRequest, TokenDelta
 

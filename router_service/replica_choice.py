@@ -1,5 +1,5 @@
 """Replica choice: prefix affinity + load, with a bounded-load cap, adapter preference and a
-round-robin fallback when state reports stop (DESIGN.md §3 step 3).
+round-robin fallback when state reports stop (docs/architecture.md, One request, step 4).
 
 cost(replica) = uncached prefill tokens on that replica + load_weight x its load (running + queued tokens)
               + adapter_miss_tokens if the request's adapter is not loaded there.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,16 +29,6 @@ class ChoiceParams:
     replica_concurrency: int = 64     # streams in flight per replica (router side) at most (engine max_num_seqs)
     batch_share: float = 0.75         # batch streams may use at most this share of a replica's slots
     policy: str = "ours"              # ours | round_robin | least_loaded | prefix_hash (baselines for benchmarks)
-
-    @classmethod
-    def from_env(cls) -> "ChoiceParams":
-        e = os.environ.get
-        return cls(load_weight=float(e("FLEET_ROUTER_LOAD_WEIGHT", cls.load_weight)),
-                   epsilon=float(e("FLEET_ROUTER_LOAD_EPSILON", cls.epsilon)),
-                   adapter_miss_tokens=int(e("FLEET_ROUTER_ADAPTER_MISS_TOKENS", cls.adapter_miss_tokens)),
-                   replica_concurrency=int(e("FLEET_ROUTER_REPLICA_CONCURRENCY", cls.replica_concurrency)),
-                   batch_share=float(e("FLEET_ROUTER_BATCH_SHARE", cls.batch_share)),
-                   policy=e("FLEET_ROUTER_POLICY", cls.policy))
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -106,7 +95,7 @@ class Placement:
 class ReplicaChooser:
     def __init__(self, states: ReplicaStateTable, params: ChoiceParams | None = None) -> None:
         self.states = states
-        self.params = params or ChoiceParams.from_env()
+        self.params = params or ChoiceParams()
         self.inflight: dict[str, int] = {}
         self.batch_inflight: dict[str, int] = {}
         self.load: dict[str, float] = {}

@@ -1,4 +1,5 @@
-"""Soft state pushed by replicas every ~200 ms (DESIGN.md §4): load, KV blocks, cached prefix hashes.
+"""Soft state pushed by replicas every ~200 ms: load, KV blocks, cached prefix hashes
+(docs/architecture.md, State reports).
 
 Losing it costs only routing quality: entries older than `stale_after_s` are ignored and the router
 falls back to round-robin with per-replica concurrency caps (see `replica_choice`).
@@ -7,50 +8,18 @@ Reports lag by up to one interval, so the router also remembers the prompt block
 replica ("pending" hashes, kept for `pending_ttl_s`): a multi-turn conversation's second turn arriving
 100 ms after the first still lands where its prefix is being cached.
 
-Reports arrive only on the router's internal listener, signed by the replica (fleet/report_channel.py), and
-are validated against `ReplicaReport` (strict types, bounded sizes) before they touch routing state.
+Reports are validated against `ReplicaReport` (common/replica_report.py, the schema the engine builds them
+with: strict types, bounded sizes) before they touch routing state.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from common.replica_report import DEFAULT_BLOCK_SIZE, ReplicaReport
 
 log = logging.getLogger(__name__)
-DEFAULT_BLOCK_SIZE = 16
-MAX_HASHES = 1_000_000  # a full snapshot of a large GPU KV cache; bounds memory per report
-Count = Annotated[int, Field(strict=True, ge=0, le=2**40)]
-Gauge = Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
-Hash = Annotated[int, Field(strict=True, ge=0, lt=2**64)]
-Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")]
-
-
-class ReplicaReport(BaseModel):
-    """The state report's schema: anything else (wrong types, unknown fields, huge lists) is refused."""
-    model_config = ConfigDict(extra="forbid")
-
-    replica_id: Name
-    model: str = Field(default="", max_length=128)
-    version: str = Field(default="", max_length=64)
-    region: str = Field(default="local", max_length=32)
-    ts: Gauge = 0.0
-    kv_blocks_total: Count = 0
-    kv_blocks_free: Count = 0
-    block_size: Annotated[int, Field(strict=True, ge=1, le=4096)] = DEFAULT_BLOCK_SIZE
-    running: Count = 0
-    waiting: Count = 0
-    queue_wait_ms_p95: Gauge = 0.0
-    ttft_ms_p95: Gauge = 0.0
-    tokens_per_s: Gauge = 0.0
-    adapters_loaded: list[Name] = Field(default_factory=list, max_length=4096)
-    full_snapshot: StrictBool = False
-    draining: StrictBool = False
-    prefix_hashes: list[Hash] | None = Field(default=None, max_length=MAX_HASHES)
-    prefix_hashes_added: list[Hash] = Field(default_factory=list, max_length=MAX_HASHES)
-    prefix_hashes_removed: list[Hash] = Field(default_factory=list, max_length=MAX_HASHES)
 
 
 @dataclass

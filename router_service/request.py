@@ -1,10 +1,16 @@
-"""What a caller asks for and what the router streams back, independent of the wire protocol."""
+"""What a caller asks for, what the router streams back (independent of the wire protocol), and the
+request as the router holds it once admitted (`Prepared`)."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
+from common.hashing import prefix_block_hashes
+from router_service.cancellation import CancelHandle
 from router_service.errors import invalid
+from router_service.registry_cache import CallerInfo, ModelInfo
+from router_service.replica_choice import Placement
 
 TIERS = ("interactive", "standard", "batch")
 TIER_INDEX = {name: i for i, name in enumerate(TIERS)}
@@ -34,7 +40,7 @@ class GenerateRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     session: str = ""  # rollout stickiness key; the caller name when empty
-    client_id: str = ""  # the caller's own request id, echoed back for correlation only (fleet.names.CLIENT_ID_RE)
+    client_id: str = ""  # the caller's own request id, echoed back for correlation only (common.names.CLIENT_ID_RE)
 
     def validate(self, max_context: int) -> None:
         """Field checks that need no registry; the message names the field, the reason and what is allowed."""
@@ -104,3 +110,25 @@ class Finished:
     model: str
     version: str
     replica_id: str
+
+
+@dataclass
+class Prepared:
+    """An admitted request: the caller, the resolved model version, the prompt ids and its reserved slot."""
+    req: GenerateRequest
+    caller: CallerInfo
+    model: ModelInfo
+    prompt_ids: list[int]
+    arrived: float = field(default_factory=time.monotonic)
+    home: str = "local"
+    quota_reserved: int = 0
+    placement: Placement | None = None
+    handle: CancelHandle | None = None
+    started: bool = False
+    _hashes: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+
+    def hashes(self, ids: list[int], block_size: int) -> list[int]:
+        key = (len(ids), block_size)
+        if key not in self._hashes:
+            self._hashes[key] = prefix_block_hashes(ids, block_size)
+        return self._hashes[key]

@@ -1,4 +1,5 @@
-"""Streaming calls from the router to one Triton replica's decoupled ensemble `llm` (DESIGN.md §4)."""
+"""Streaming calls from the router to one Triton replica's decoupled ensemble `llm`
+(docs/architecture.md, Replica interface)."""
 from __future__ import annotations
 
 import asyncio

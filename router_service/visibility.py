@@ -11,7 +11,7 @@ request path), so nothing one door hides leaks through another:
 """
 from __future__ import annotations
 
-from fleet.names import ADAPTER_NAME_RULE, valid_adapter_name
+from common.names import ADAPTER_NAME_RULE, valid_adapter_name
 from router_service.errors import RouterError, invalid
 from router_service.registry_cache import AdapterInfo, CallerInfo, ModelInfo, Snapshot
 from router_service.request import TIERS, GenerateRequest

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fleet.processes import free_port, stop_pid
-from fleet.settings import Settings, load_settings
-from fleet.services import start_tansu
+from common.processes import free_port, stop_pid
+from common.settings import Settings, load_settings
+from common.services import start_tansu
 
 PG_ADMIN_DSN = os.environ.get("FLEET_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 

@@ -1,7 +1,7 @@
 """`fleet usage ...`: run the loader, report chargeback, manage prices and GPU-hours, export Parquet.
 
 `register(subparsers)` adds the `usage` group to the fleet CLI. Every subcommand stores its handler as
-`args.handler`, called as `handler(args, settings)` with a `fleet.settings.Settings`; it returns an exit
+`args.handler`, called as `handler(args, settings)` with a `common.settings.Settings`; it returns an exit
 code. `python -m usage.cli usage ...` runs the same parser standalone.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from fleet.settings import Settings, load_settings
+from common.settings import Settings, load_settings
 from usage import chargeback, store
 from usage.loader import add_load_arguments, run_from_args
 

@@ -1,4 +1,5 @@
-"""The usage event of DESIGN.md §6: one per finished, failed or cancelled request, topic `llm.usage.v1`.
+"""The usage event: one per finished, failed or cancelled request, topic `llm.usage.v1`
+(docs/architecture.md, Usage events).
 
 The router builds it; the producer spools and sends it (key = caller); the loader validates it
 against this same model and lands it in the columnar store.

@@ -22,9 +22,9 @@ import threading
 import time
 from pathlib import Path
 
-from fleet.processes import free_port, stop_pid
-from fleet.services import start_tansu
-from fleet.settings import Settings
+from common.processes import free_port, stop_pid
+from common.services import start_tansu
+from common.settings import Settings
 from usage import store
 from usage.events import UsageEvent
 from usage.producer import UsageProducer

@@ -78,11 +78,13 @@ def _reason(exc: ValidationError) -> str:
 class UsageLoader:
     def __init__(self, bootstrap_servers: str, store_path: Path, topic: str = "llm.usage.v1",
                  group_id: str = "usage-loader", dlq_topic: str = "llm.usage.v1.dlq",
-                 known_callers: Callable[[], set[str]] | None = None, batch_max: int = 50_000) -> None:
+                 known_callers: Callable[[], set[str]] | None = None, batch_max: int = 50_000,
+                 fault: str = "") -> None:
         self.bootstrap_servers = bootstrap_servers
         self.store_path = Path(store_path)
         self.topic, self.group_id, self.dlq_topic = topic, group_id, dlq_topic
         self.batch_max = batch_max
+        self.fault = fault
         self._known_callers_fn = known_callers
         self._callers: set[str] | None = None
         self._callers_at = 0.0
@@ -255,14 +257,14 @@ class UsageLoader:
         self._consumer = self._dlq = None
 
     def _fault(self, point: str) -> None:
-        """Fault injection for the crash tests: FLEET_USAGE_FAULT=mid_write|after_write kills the process
+        """Fault injection for the crash tests (Settings.usage_fault, FLEET_USAGE_FAULT=mid_write|after_write) kills the process
         inside the store transaction, or after it committed but before the offset commit."""
-        if os.environ.get("FLEET_USAGE_FAULT") == point:
+        if self.fault == point:
             os._exit(137)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fleet.settings import load_settings
+    from common.settings import load_settings
     settings = load_settings()
     parser = argparse.ArgumentParser(prog="python -m usage.loader", description=__doc__.split("\n\n")[0])
     add_load_arguments(parser, settings)
@@ -294,7 +296,8 @@ def run_from_args(args: argparse.Namespace, settings) -> int:
     if args.check_callers and _registry_configured(settings):
         known = registry_callers(settings.db_url)
     loader = UsageLoader(args.bootstrap, args.store, topic=args.topic, group_id=args.group,
-                         dlq_topic=args.dlq_topic, known_callers=known, batch_max=args.batch_max)
+                         dlq_topic=args.dlq_topic, known_callers=known, batch_max=args.batch_max,
+                         fault=settings.usage_fault)
     if args.once:
         n = loader.run_once(max_wait_s=10.0)
         loader.close()

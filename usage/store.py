@@ -1,8 +1,9 @@
 """The columnar usage store: one DuckDB file (Parquet export on demand).
 
 Tables
-- `usage_events`: the §6 event columns + `day` (UTC date of `ts`); PRIMARY KEY request_id, so a
-  re-delivered event (Kafka redelivery after a crash, a spool resend) is ignored on insert.
+- `usage_events`: the `UsageEvent` columns (docs/architecture.md, Usage events) + `day` (UTC date of
+  `ts`); PRIMARY KEY request_id, so a re-delivered event (Kafka redelivery after a crash, a spool resend)
+  is ignored on insert.
 - `usage_rejects`: events the loader refused (schema, negative tokens, unknown caller), with the reason.
 - `prices`: per-model prices in currency units per 1M tokens for prefill, cached-prefix and decode tokens;
   model '*' is the fallback for models without their own row.

@@ -3,6 +3,7 @@ a side-by-side comparison of the versions under rollout, and the audit log."""
 import streamlit as st
 
 from admin_ui import charts, data, session, usage_data
+from registry import queries
 
 session.require_login()
 session.header("Models & rollouts", "Versions, traffic split and every admin change")
@@ -31,7 +32,7 @@ if session.is_operator():
         st.caption("The other routed versions share the rest in proportion to their current percents.")
         box = st.container()
         if st.button("Apply percent", key="apply_percent"):
-            problems = data.validate_percent(version, percent, known)
+            problems = queries.percent_problems(version, percent, known)
             if problems:
                 box.error("Not changed: " + "; ".join(problems))
             else:
@@ -43,7 +44,7 @@ if session.is_operator():
                                                  key=f"split_{model}_{v}")) for i, v in enumerate(known)}
         box = st.container()
         if st.button("Apply split", key="apply_split"):
-            problems = data.validate_split(new_split, known)
+            problems = queries.split_problems(new_split, known)
             if problems:
                 box.error("Not changed: " + "; ".join(problems))
             else:

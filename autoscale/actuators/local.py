@@ -1,6 +1,6 @@
 """Local actuator: starts and stops real `tritonserver` replicas on this machine (what `make up` uses).
 
-Scale-up: `fleet.replicas.start_replica` in a background thread (Triton on the model version's
+Scale-up: `autoscale.actuators.replicas.start_replica` in a background thread (Triton on the model version's
 rendered repository, registered `starting` then `serving`, recorded in the run dir so `make down`
 stops it); the measured start->ready time feeds the cold-start estimate.
 Scale-down: mark the replica `draining` in the registry (routers stop admitting to it), wait until
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -21,8 +22,8 @@ import numpy as np
 
 from autoscale.actuators import PoolSpec, ReplicaCounts
 from autoscale.signals import replica_inflight
-from fleet.replicas import ReplicaSpec, replica_base_port, start_replica, stop_replica
-from fleet.settings import Settings
+from autoscale.actuators.replicas import ReplicaSpec, replica_base_port, start_replica, stop_replica
+from common.settings import REPO_ROOT, Settings
 from registry.db import session_scope
 from registry.queries import list_replicas, set_replica_state
 
@@ -48,8 +49,13 @@ class LocalActuator:
     """Runs replicas as local processes; thread-safe; every transition is logged and written to the registry."""
 
     def __init__(self, settings: Settings, router_urls: list[str] | None = None, drain_timeout_s: float = 120.0,
-                 admin_token: str | None = None, first_index: int = 0) -> None:
+                 admin_token: str | None = None, first_index: int = 0, cpu_cores: int | None = None,
+                 cpu_budget: bool = True) -> None:
         self.settings = settings
+        # CPU budget: replicas x engine threads <= cores, so a new replica adds capacity instead of
+        # sharing the same cores with the ones already running. cpu_budget=False lifts it (told so).
+        self.cpu_cores = cpu_cores or len(os.sched_getaffinity(0))
+        self.max_replicas = max(1, self.cpu_cores // engine_threads()) if cpu_budget else None
         self.router_urls = router_urls or [settings.router_http_url]
         self.drain_timeout_s = drain_timeout_s
         self.admin_token = admin_token
@@ -112,6 +118,15 @@ class LocalActuator:
     # --- scaling ---------------------------------------------------------------------------------
     def scale(self, pool: PoolSpec, desired: int) -> None:
         current = self.counts(pool)
+        if desired > current.total and self.max_replicas is not None:
+            with self._lock:
+                alive = sum(r.state in ("starting", "serving", "draining") for r in self.replicas.values())
+            room = max(self.max_replicas - alive, 0)
+            if desired - current.total > room:
+                log.warning("pool %s wants %d replicas; CPU budget allows %d more (%d cores / %d engine threads = "
+                            "%d replicas, %d running)", pool.name, desired, room, self.cpu_cores, engine_threads(),
+                            self.max_replicas, alive)
+                desired = current.total + room
         if desired > current.total:
             for _ in range(desired - current.total):
                 self.start_replica(pool)
@@ -207,6 +222,19 @@ class LocalActuator:
 
 
 _PENDING = re.compile(r'^nv_inference_pending_request_count\{[^}]*\}\s+([0-9.eE+-]+)', re.M)
+
+
+def engine_threads() -> int:
+    """Torch threads each local engine replica runs: FLEET_ENGINE_THREADS, else the engine model's
+    config.pbtxt `threads` parameter (what python_backends/engine reads), else 2."""
+    if os.environ.get("FLEET_ENGINE_THREADS", "").isdigit():
+        return max(1, int(os.environ["FLEET_ENGINE_THREADS"]))
+    try:
+        text = (REPO_ROOT / "model_repository" / "engine" / "config.pbtxt").read_text()
+    except OSError:
+        return 2
+    match = re.search(r'key:\s*"threads"\s*value:\s*{\s*string_value:\s*"(\d+)"', text)
+    return max(1, int(match.group(1))) if match else 2
 
 
 def triton_pending(metrics_port: int) -> int | None:

@@ -27,6 +27,8 @@ class PoolFleet:
     starts: int = 0
     drains: int = 0
     placement_failures: int = 0
+    lost_to_failure: int = 0
+    capacity_limited_steps: int = 0  # steps the policy wanted more replicas than the region had room for
     cold_starts_s: list[float] = field(default_factory=list)
     _cold_estimate: float | None = None
 
@@ -83,6 +85,19 @@ class PoolFleet:
                 self.serving = [s for s in self.serving if id(s) not in chosen]
                 self.draining.extend((now_s + self.drain_s, s) for s in order)
                 self.drains += len(order)
+
+    def lose_node(self, node: int) -> int:
+        """Drop every replica (serving, starting or draining) on a failed node; returns how many."""
+        def keep(slot: Slot) -> bool:
+            return slot.node != node
+
+        before = len(self.serving) + len(self.starting) + len(self.draining)
+        self.serving = [s for s in self.serving if keep(s)]
+        self.starting = [s for s in self.starting if keep(s[1])]
+        self.draining = [s for s in self.draining if keep(s[1])]
+        lost = before - len(self.serving) - len(self.starting) - len(self.draining)
+        self.lost_to_failure += lost
+        return lost
 
     def cold_start_estimate(self) -> float:
         """Cold-start time the controller plans with: p90 of measured starts, else the model's upper bound."""

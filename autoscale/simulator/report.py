@@ -3,45 +3,54 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import time
 from pathlib import Path
 
-from autoscale.capacity import peak_sizing
-from autoscale.simulator.engine import SimResult
+from autoscale.simulator.engine import SimInputs, prepare
 from autoscale.simulator.settings import SimSettings
-from autoscale.simulator.workload import WorkloadModel
+from autoscale.simulator.summary import SimResult, requirements_sizing
 
 log = logging.getLogger(__name__)
-COLOURS = {"static": "#7f7f7f", "reactive-gpu-util": "#d62728", "reactive-signals": "#ff7f0e", "ours": "#2ca02c"}
+COLOURS = {"static": "#7f7f7f", "reactive-gpu-util": "#d62728", "reactive-signals": "#ff7f0e", "ours": "#2ca02c",
+           "disaggregated": "#1f77b4"}
 
 
-def sizing_derivation(settings: SimSettings) -> dict:
-    """The requirements' peak estimate, derived step by step from the throughput assumptions."""
+def sizing_derivation(settings: SimSettings, inputs: SimInputs | None = None) -> dict:
+    """The requirements' peak estimate, derived step by step from the capacity model and prefix reuse."""
+    inputs = inputs or prepare(settings, with_forecast=False)
     wl = settings.workload
-    prompts = WorkloadModel(settings).prompts
-    sizing = peak_sizing(settings.models, wl.peak_requests_per_s, prompts.mean, wl.output_tokens_mean,
-                         settings.serving.sizing_target_utilisation)
+    sizing = requirements_sizing(settings, inputs)
     rows = []
-    for m in settings.models:
+    for k, (region, m) in enumerate(settings.pools()):
+        if region.name != settings.regions[0].name:
+            continue
+        cost = inputs.costs["colocated"][k][0]
         rows.append({"model": m.name, "requests_per_s": sizing.requests_per_s[m.name],
-                     "replica_seconds_per_request": m.replica_seconds(prompts.mean, wl.output_tokens_mean),
+                     "replica_seconds_per_request": cost.w_fg, "prefix_reuse": cost.reuse,
+                     "stream_tokens_per_s": cost.stream_tokens_per_s, "capacity_bound": cost.bound,
+                     "kv_capacity_tokens": m.kv_capacity_tokens, "kv_bytes_per_token": m.kv_bytes_per_token,
+                     "decode_step_ms": [1e3 * x for x in m.step_curve(settings.serving.stream_tokens_per_s)],
                      "busy_replicas": sizing.busy_replicas[m.name], "replicas": sizing.replicas[m.name],
-                     "gpus": sizing.gpus[m.name]})
-    return {"peak_requests_per_s": wl.peak_requests_per_s, "prompt_tokens_mean": prompts.mean,
+                     "gpus": sizing.gpus[m.name], "calibration": m.calibration or None})
+    return {"peak_requests_per_s": wl.peak_requests_per_s, "prompt_tokens_mean": inputs.workload.prompts.mean,
             "output_tokens_mean": wl.output_tokens_mean, "target_utilisation": sizing.target_utilisation,
             "models": rows, "total_gpus": sizing.total_gpus}
 
 
-def results_json(results: dict[str, SimResult], settings: SimSettings, wall_s: float) -> dict:
+def results_json(results: dict[str, SimResult], settings: SimSettings, wall_s: float,
+                 inputs: SimInputs | None = None) -> dict:
     return {
         "benchmark": "autoscale-fleet-simulation",
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
         "run": {"horizon_h": settings.horizon_h, "warmup_h": settings.warmup_h, "step_s": settings.step_s,
-                "seed": settings.seed, "wall_s": wall_s, "batch_enabled": settings.batch_enabled},
+                "seed": settings.seed, "wall_s": wall_s, "batch_enabled": settings.batch_enabled,
+                "load_avg": list(os.getloadavg()), "node_failure": settings.node_failure,
+                "reuse_override": settings.reuse_override},
         "assumptions": settings.assumptions,
-        "peak_sizing": sizing_derivation(settings),
+        "peak_sizing": sizing_derivation(settings, inputs),
         "policies": {name: {"summary": r.summary, "pools": r.pools,
                             "hourly": r.hourly.round(4).to_dict(orient="records")} for name, r in results.items()},
     }
@@ -50,6 +59,18 @@ def results_json(results: dict[str, SimResult], settings: SimSettings, wall_s: f
 def write_json(payload: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=float))
+    log.info("wrote %s", path)
+    return path
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Write a matplotlib figure as a PNG (tight layout) and close it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     log.info("wrote %s", path)
     return path
 
@@ -131,7 +152,9 @@ def summary_table(results: dict[str, SimResult]) -> list[dict]:
     """Rows for a table/markdown: one per policy."""
     return [{"policy": n, "utilisation_%": round(100 * r.summary["daily_avg_utilisation"], 1),
              "slo_attainment_%": round(100 * r.summary["interactive_slo_attainment"], 3),
+             "standard_slo_%": round(100 * r.summary["standard_slo_attainment"], 3),
              "gpu_hours": round(r.summary["gpu_hours"]), "tokens_per_gpu_hour_M": round(r.summary["tokens_per_gpu_hour"] / 1e6, 2),
              "peak_gpus_5min": r.summary["peak_gpus_allocated_5min"],
+             "batch_missed_M": round(r.summary["batch_requests_missed_deadline"] / 1e6, 3),
              "batch_backlog_end_M": round(r.summary["batch_backlog_requests_at_end"] / 1e6, 2)}
             for n, r in results.items()]

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from autoscale.capacity import ModelProfile
+from autoscale.simulator.prefix import PrefixWorkload
 
 DEFAULT_ASSUMPTIONS = Path(__file__).with_name("assumptions.json")
-POLICIES = ("static", "reactive-gpu-util", "reactive-signals", "ours")
+POLICIES = ("static", "reactive-gpu-util", "reactive-signals", "ours", "disaggregated")
+TIER_AWARE = ("ours", "disaggregated")  # preempt batch, scale on interactive signals + batch deadlines
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class Serving:
     drain_s: float
     sizing_target_utilisation: float
     burst_buffer_fraction: float = 0.0
+    standard_slo_ttft_s: float = 2.0
+    standard_slo_prompt_tokens_max: float = 32768
+    batch_overflow: bool = True  # batch work a region cannot fit runs in the other region's spare capacity
 
 
 @dataclass
@@ -67,6 +72,8 @@ class SimSettings:
     history_weeks: int = 3
     start_day: int = 2  # simulated day index in the week (0 = Monday); history precedes it
     batch_enabled: bool = True
+    node_failure: bool = True  # one node fails at the measured day's peak (assumptions "failure")
+    reuse_override: float | None = None  # fixed interactive/standard prefix reuse (the sensitivity sweep)
 
     @classmethod
     def from_file(cls, path: Path | None = None, **overrides) -> "SimSettings":
@@ -93,6 +100,16 @@ class SimSettings:
     @property
     def serving(self) -> Serving:
         return Serving(**self.assumptions["serving"])
+
+    @property
+    def prefix(self) -> PrefixWorkload:
+        pw = PrefixWorkload.from_dict(self.assumptions.get("prefix"))
+        return pw if self.reuse_override is None else replace(pw, override=self.reuse_override)
+
+    @property
+    def failure(self) -> dict | None:
+        raw = self.assumptions.get("failure")
+        return dict(raw) if raw and self.node_failure else None
 
     def pools(self) -> list[tuple[Region, ModelProfile]]:
         """One pool per (region, model): the unit that is scaled."""

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from autoscale.actuators import PoolSpec  # noqa: E402
 from autoscale.actuators.local import LocalActuator  # noqa: E402
 from autoscale.controller import Controller, PoolConfig  # noqa: E402
-from fleet.logs import setup_logging  # noqa: E402
+from common.logs import setup_logging  # noqa: E402
 from fleet.seed import DEFAULT_MODEL, DEFAULT_VERSION  # noqa: E402
 
 PROMPTS = ["Explain what a GPU is in one sentence.", "Name three colours of the rainbow.",
@@ -118,6 +118,9 @@ def main() -> int:
     parser.add_argument("--replica-concurrency", type=int, default=4, help="router cap of streams per replica")
     parser.add_argument("--queue-wait-threshold-s", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--no-cpu-budget", action="store_true",
+                        help="let the second replica start even when replicas x engine threads would exceed the "
+                             "cores (on a 2-core machine: to see the scale-up and drain mechanics)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "autoscale-live.json")
     parser.add_argument("--img", type=Path, default=ROOT / "docs" / "img" / "autoscale-live-step.png")
     args = parser.parse_args()
@@ -134,7 +137,8 @@ def main() -> int:
     pool = PoolConfig(PoolSpec(DEFAULT_MODEL, DEFAULT_VERSION, stack.settings.region, 1), min_replicas=1, max_replicas=2,
                       slo_ttft_s=5.0, max_running_per_replica=args.replica_concurrency, target_load=0.7,
                       default_cold_start_s=30.0)
-    actuator = LocalActuator(stack.settings, [stack.http_url], admin_token=stack.admin_token, drain_timeout_s=120)
+    actuator = LocalActuator(stack.settings, [stack.http_url], admin_token=stack.admin_token, drain_timeout_s=120,
+                             cpu_budget=not args.no_cpu_budget)
     actuator.adopt(pool.spec)
     controller = Controller([pool], actuator, stack.http_url, interval_s=1.0, admin_token=stack.admin_token,
                             guard_overrides={"down_cooldown_s": 60.0, "down_window_s": 30.0})

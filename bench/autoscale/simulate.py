@@ -1,9 +1,12 @@
-"""Autoscaler fleet simulation benchmark: the four policies on the requirements' fleet, one run.
+"""Autoscaler fleet simulation benchmark: the five policies on the requirements' fleet, one run.
 
-    python bench/autoscale/simulate.py            # -> bench/results/autoscale-simulation.json + docs/img/autoscale-*.png
+    python bench/autoscale/simulate.py            # -> bench/results/autoscale-simulation{,-reuse-sweep,-nobatch,-calibrated-h200}.json
+                                                  #    + docs/img/autoscale-*.png
     python bench/autoscale/simulate.py --seeds 1 2 3   # + robustness over seeds -> bench/results/autoscale-seeds.json
 
-Same as `fleet simulate`; the seed sweep reruns the whole comparison per seed (different noise/bursts).
+The main run is `fleet simulate --reuse-sweep` (all policies, then ours + disaggregated at 0-80 % reuse);
+then the same day without batch work, and with the small model calibrated from the H200 measurement
+(autoscale/simulator/calibration/). The seed sweep reruns the whole comparison per seed.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ def seed_sweep(seeds: list[int], out: Path) -> dict:
             s = r.summary
             rows.append({"seed": seed, "policy": name, "utilisation": s["daily_avg_utilisation"],
                          "slo_attainment": s["interactive_slo_attainment"], "gpu_hours": s["gpu_hours"],
+                         "standard_slo_attainment": s["standard_slo_attainment"],
+                         "batch_missed": s["batch_requests_missed_deadline"],
                          "tokens_per_gpu_hour": s["tokens_per_gpu_hour"], "peak_hour_gpus": s["peak_hour_gpus_allocated"],
                          "peak_5min_gpus": s["peak_gpus_allocated_5min"], "peak_vs_estimate": s["peak_vs_estimate"],
                          "wall_s": time.monotonic() - t0})
@@ -44,9 +49,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="*", default=[])
     args, rest = parser.parse_known_args()
-    rc = cli_main(["simulate", *rest])
+    rc = cli_main(["simulate", "--reuse-sweep", *rest])
     cli_main(["simulate", "--no-batch", "--no-plots", "--no-progress",
               "--out", str(ROOT / "bench" / "results" / "autoscale-simulation-nobatch.json")])
+    cli_main(["simulate", "--no-plots", "--no-progress", "--policies", "ours,disaggregated",
+              "--calibrate", str(ROOT / "autoscale" / "simulator" / "calibration" / "h200-8b-transformers.jsonl"),
+              "--out", str(ROOT / "bench" / "results" / "autoscale-simulation-calibrated-h200.json")])
     if args.seeds:
         seed_sweep(args.seeds, ROOT / "bench" / "results" / "autoscale-seeds.json")
     return rc

@@ -27,11 +27,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from build_engines.build import build, ensure_node_local, version_dir  # noqa: E402
+from build_engines.build import build, ensure_node_local
+from build_engines.layout import version_dir  # noqa: E402
 from build_engines.plan import parse_options  # noqa: E402
-from fleet.processes import free_port, port_open, stop_pid  # noqa: E402
-from fleet.services import start_triton  # noqa: E402
-from fleet.settings import load_settings  # noqa: E402
+from common.processes import free_port, port_open, stop_pid  # noqa: E402
+from common.services import start_triton  # noqa: E402
+from common.settings import load_settings  # noqa: E402
 
 MODEL, VERSION = "smollm2-135m", "1"
 

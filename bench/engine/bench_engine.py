@@ -25,8 +25,8 @@ import psutil
 
 from bench.engine.peers import Result, run_llama_server, run_triton, summarize
 from bench.engine.workload import make_workload
-from fleet.processes import free_port, stop_pid
-from fleet.settings import REPO_ROOT, load_settings
+from common.processes import free_port, stop_pid
+from common.settings import REPO_ROOT, load_settings
 
 RESULTS = REPO_ROOT / "bench" / "results"
 DOC = REPO_ROOT / "docs" / "benchmarks.md"
@@ -68,7 +68,7 @@ def _metric(url: str, name: str) -> float | None:
 
 def bench_engine(settings, weights: Path, workloads: dict, args) -> dict:
     from build_engines.triton_repo import cpu_values, render_repository
-    from fleet.services import start_triton
+    from common.services import start_triton
 
     out = {}
     run_dir = settings.data_dir / "bench-engine"

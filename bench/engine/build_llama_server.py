@@ -15,7 +15,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from fleet.settings import load_settings
+from common.settings import load_settings
 
 
 def llama_server_path() -> Path:

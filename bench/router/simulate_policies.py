@@ -8,7 +8,7 @@ be served from the prefix cache of the replica that served the previous turn.
 Replica model (the engine's, simplified): continuous batching; each step decodes one token for every
 running sequence and prefills up to the step budget (256 tokens) of waiting prompts' uncached tokens;
 step time = t0 + t_decode x running + t_prefill x prefill tokens. Each replica has an LRU prefix cache of
-prompt blocks (hashed with the shared fleet.hashing function) of fixed capacity.
+prompt blocks (hashed with the shared common.hashing function) of fixed capacity.
 
 Router model: the policy sees what the real router sees: its own load view (tokens sent and not yet
 streamed back), and cached prefixes from state reports every 200 ms plus the blocks it routed in the
@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fleet.hashing import prefix_block_hashes  # noqa: E402
+from common.hashing import prefix_block_hashes  # noqa: E402
 from router_service.replica_choice import (ChoiceParams, ReplicaView, pick, pick_least_loaded,  # noqa: E402
                                            pick_prefix_hash)
 

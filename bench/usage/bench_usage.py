@@ -31,9 +31,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from fleet.processes import free_port, stop_pid  # noqa: E402
-from fleet.services import start_tansu  # noqa: E402
-from fleet.settings import load_settings  # noqa: E402
+from common.processes import free_port, stop_pid  # noqa: E402
+from common.services import start_tansu  # noqa: E402
+from common.settings import load_settings  # noqa: E402
 from usage import store  # noqa: E402
 from usage.faultcheck import make_event  # noqa: E402
 from usage.kafka_io import close_producer, make_producer  # noqa: E402

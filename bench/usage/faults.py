@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from fleet.settings import load_settings  # noqa: E402
+from common.settings import load_settings  # noqa: E402
 from usage import faultcheck  # noqa: E402
 
 

@@ -6,7 +6,8 @@ preference: blank blocks first, then cached blocks least-recently-freed first, s
 the most recently used prefixes as long as memory allows. Block 0 is reserved (the zero block used as
 padding by the model runner) and never handed out.
 
-Hash additions/removals are recorded as events for the router's state report (DESIGN.md §4).
+Hash additions/removals are recorded as events for the router's state report
+(docs/architecture.md, State reports).
 """
 from __future__ import annotations
 

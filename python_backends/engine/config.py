@@ -1,15 +1,21 @@
 """Engine configuration: one dataclass, filled from Triton's config.pbtxt parameters, then env overrides.
 
 Every field may be overridden by `FLEET_ENGINE_<FIELD NAME IN UPPER CASE>` so tests and benchmarks can
-resize the KV pool or the step budget without rendering another model repository.
+resize the KV pool or the step budget without rendering another model repository. The overrides are read
+once, at start, by `engine_overrides()` (a pydantic-settings model made from the dataclass's own fields,
+so a field is declared once) and passed to `EngineConfig.from_params`.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pydantic import create_model
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 @dataclass
@@ -33,17 +39,17 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_params(cls, params: dict[str, str], env: dict[str, str] | None = None) -> "EngineConfig":
-        """Build from string parameters (Triton's), then apply FLEET_ENGINE_* env overrides."""
-        env = dict(os.environ) if env is None else env
+    def from_params(cls, params: dict[str, str], overrides: Mapping[str, Any] | None = None) -> "EngineConfig":
+        """Build from string parameters (Triton's), then apply `overrides` (typed values, e.g. from
+        `engine_overrides()`); unrendered `${...}` placeholders and empty strings count as unset."""
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name == "extra":
                 continue
-            raw = env.get(f"FLEET_ENGINE_{f.name.upper()}") or params.get(f.name)
-            if raw is None or raw == "" or (isinstance(raw, str) and raw.startswith("${")):
-                continue
-            values[f.name] = _coerce(f.type, raw)
+            raw = params.get(f.name)
+            if raw is not None and raw != "" and not (isinstance(raw, str) and raw.startswith("${")):
+                values[f.name] = _coerce(f.type, raw)
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None and v != ""})
         if "weights_dir" not in values:
             raise ValueError("engine config needs weights_dir")
         return cls(**values)
@@ -64,3 +70,17 @@ def _coerce(type_name: Any, raw: Any) -> Any:
     if name == "float":
         return float(raw)
     return str(raw)
+
+
+class _EngineEnv(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLEET_ENGINE_", extra="ignore", frozen=True, env_ignore_empty=True)
+
+
+def engine_overrides() -> dict[str, Any]:
+    """The FLEET_ENGINE_* variables that are set, typed from EngineConfig's fields (a bad value raises a
+    pydantic ValidationError naming the field). Called once, at start, by the Triton shim."""
+    hints = typing.get_type_hints(EngineConfig)
+    fields: dict[str, Any] = {f.name: (hints[f.name] | None, None)
+                              for f in dataclasses.fields(EngineConfig) if f.name != "extra"}
+    env_model = create_model("EngineEnv", __base__=_EngineEnv, **fields)
+    return env_model().model_dump(exclude_none=True)

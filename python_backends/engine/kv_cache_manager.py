@@ -1,13 +1,13 @@
 """Per-sequence KV block tables on top of the BlockPool, with prefix caching.
 
 Blocks are allocated lazily, as a sequence's tokens are scheduled (never max length up front). A sequence's
-full prompt blocks are hashed with the shared chain hash (fleet.hashing), so the engine and the routers agree
+full prompt blocks are hashed with the shared chain hash (common.hashing), so the engine and the routers agree
 on what a cached prefix is. On admission the longest cached prefix is reused (reference counted); at least
 one prompt token is always recomputed so the step has logits to sample the first output token from.
 """
 from __future__ import annotations
 
-from fleet.hashing import prefix_block_hashes
+from common.hashing import prefix_block_hashes
 from python_backends.engine.block_pool import BlockPool
 from python_backends.engine.sequence import Sequence
 

@@ -11,7 +11,7 @@ matmuls (one bmm pair for all rows, whatever their adapters); large prefill batc
 
 Slots are an LRU cache: an adapter loads on first use; a slot whose adapter no running sequence uses may be
 evicted for a new one. Adapters are named by their folder under adapters_dir; a name is never a path
-(fleet.names.ADAPTER_NAME_RE), so no request can load a folder outside adapters_dir.
+(common.names.ADAPTER_NAME_RE), so no request can load a folder outside adapters_dir.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from fleet.names import valid_adapter_name
+from common.names import valid_adapter_name
 
 # fused projection -> its PEFT sub-modules, in the order of the fused output rows
 FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),

@@ -154,7 +154,7 @@ def train(base_dir: Path, style: str, out_dir: Path, steps: int, rank: int, lr: 
 
 
 def main() -> None:
-    from fleet.settings import load_settings
+    from common.settings import load_settings
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--style", choices=["french", "terse-json"], required=True)

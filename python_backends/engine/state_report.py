@@ -1,8 +1,8 @@
-"""The replica state report of DESIGN.md §4, pushed to every router about every 200 ms.
+"""The replica state report (docs/architecture.md, State reports), pushed to every router about every 200 ms.
 
 The engine loop thread builds each report (`build`, on its own thread, so engine state is read consistently)
 and hands it to `StateReporter.publish`; a separate sender thread POSTs the latest one, signed with this
-replica's key (`FLEET_REPORT_KEY`, see fleet/report_channel.py), to each router's internal listener
+replica's key (`FLEET_REPORT_KEY`, see common/report_channel.py), to each router's internal listener
 (`FLEET_ROUTER_URLS`) with a short timeout, fire-and-forget, so a slow or dead router never
 blocks the engine. Prefix hashes go as deltas (added/removed since the last report), with a full snapshot
 on start and every ~10 s so a router that missed deltas resyncs.
@@ -10,22 +10,42 @@ on start and every ~10 s so a router that missed deltas resyncs.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
 
-from fleet.report_channel import post_report
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from common.replica_report import ReplicaReport
+from common.report_channel import post_report
+from common.settings import load_from_env
 
 log = logging.getLogger(__name__)
 
 
-def identity_from_env(env: dict[str, str] | None = None) -> dict[str, Any]:
-    env = dict(os.environ) if env is None else env
-    return {"replica_id": env.get("FLEET_REPLICA_ID", "local-0"), "model": env.get("FLEET_MODEL", ""),
-            "version": env.get("FLEET_VERSION", ""), "region": env.get("FLEET_REGION", "local"),
-            "routers": [u.strip().rstrip("/") for u in env.get("FLEET_ROUTER_URLS", "").split(",") if u.strip()],
-            "report_key": env.get("FLEET_REPORT_KEY", "")}
+class ReplicaSettings(BaseSettings):
+    """Who this replica is and where its reports go (FLEET_REPLICA_ID, FLEET_MODEL, FLEET_VERSION,
+    FLEET_REGION, FLEET_ROUTER_URLS, FLEET_REPORT_KEY), set by whoever starts the replica
+    (autoscale/actuators/replicas.py)."""
+    model_config = SettingsConfigDict(env_prefix="FLEET_", extra="ignore", frozen=True)
+
+    replica_id: str = "local-0"
+    model: str = ""
+    version: str = ""
+    region: str = "local"
+    router_urls: str = ""  # comma separated base URLs of the routers' internal listeners
+    report_key: str = ""  # this replica's report signing key (common/report_channel.py)
+
+    def identity(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "model": self.model, "version": self.version, "region": self.region,
+                "routers": [u.strip().rstrip("/") for u in self.router_urls.split(",") if u.strip()],
+                "report_key": self.report_key}
+
+
+def identity_from_env() -> dict[str, Any]:
+    """The replica's identity, read once at start by the Triton shim (a bad value exits naming it)."""
+    return load_from_env(ReplicaSettings).identity()
 
 
 class StateReporter:
@@ -54,8 +74,9 @@ class StateReporter:
             self._stop = True
             self._cv.notify()
 
-    def build(self, engine: Any) -> dict[str, Any]:
-        """Called on the engine loop thread: a consistent report from the engine's current state."""
+    def build(self, engine: Any) -> dict[str, Any] | None:
+        """Called on the engine loop thread: a consistent report from the engine's current state, checked
+        against `ReplicaReport` (the router's schema); None, and a full snapshot next time, if it does not fit."""
         pool = engine.kv.pool
         added, removed = pool.drain_events()
         now = time.time()
@@ -72,10 +93,17 @@ class StateReporter:
             report["prefix_hashes_added"], report["prefix_hashes_removed"] = [], []
         else:
             report["prefix_hashes_added"], report["prefix_hashes_removed"] = added, removed
-        return report
+        try:
+            return ReplicaReport.model_validate(report).model_dump(exclude_none=True)  # deltas carry no full list
+        except ValidationError as exc:  # a bug here must not reach the engine loop (it would fail every request)
+            log.error("state report does not fit the ReplicaReport schema, not sent: %s", exc)
+            self._last_full = 0.0
+            return None
 
-    def publish(self, report: dict[str, Any]) -> None:
+    def publish(self, report: dict[str, Any] | None) -> None:
         """Queue a report for sending; unsent deltas are merged so none is lost if the sender lags."""
+        if report is None:
+            return
         with self._cv:
             if self._latest is not None and not report["full_snapshot"]:
                 if self._latest.get("full_snapshot"):

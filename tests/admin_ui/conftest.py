@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from fleet.settings import REPO_ROOT
+from common.settings import REPO_ROOT
 from tests.admin_ui.stack import OPERATOR_TOKEN, VIEWER_TOKEN, Stack, start_stack
 
 PAGES = REPO_ROOT / "admin_ui" / "pages"

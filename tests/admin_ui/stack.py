@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import uvicorn
 
-from fleet.processes import free_port, port_open
+from common.processes import free_port, port_open
 from registry import queries
 from registry.admin_tokens import set_admin_token
 from registry.db import migrate, session_scope

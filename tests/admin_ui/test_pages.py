@@ -6,8 +6,8 @@ import httpx
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from fleet.processes import free_port
-from fleet.settings import REPO_ROOT
+from common.processes import free_port
+from common.settings import REPO_ROOT
 from registry.db import session_scope
 from registry.warm_buffers import get_warm_buffer
 from tests.admin_ui.stack import MODEL, OPERATOR_TOKEN, VIEWER_TOKEN

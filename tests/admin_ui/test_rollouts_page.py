@@ -6,7 +6,7 @@ import pytest
 from admin_ui.router_client import AdminApiError, RouterClient
 from registry import queries
 from registry.db import session_scope
-from admin_ui.data import validate_split
+from registry.queries import split_problems
 from tests.admin_ui.stack import MODEL, OPERATOR_TOKEN, VIEWER_TOKEN
 
 
@@ -55,8 +55,8 @@ def test_an_invalid_split_shows_the_error_and_changes_nothing(stack, page, split
 
 def test_unknown_versions_are_refused_by_the_page_and_by_the_router(stack):
     """The page checks a split before sending it; the router checks again (one validated write path)."""
-    assert any("unknown version '7'" in p for p in validate_split({"1": 90, "7": 10}, ["1", "2"]))
-    assert validate_split({"1": 70, "2": 30}, ["1", "2"]) == []
+    assert any("no version '7'" in p for p in split_problems({"1": 90, "7": 10}, ["1", "2"]))
+    assert split_problems({"1": 70, "2": 30}, ["1", "2"]) == []
     with pytest.raises(AdminApiError) as err:
         RouterClient(f"http://127.0.0.1:{stack.port}", OPERATOR_TOKEN).set_split(MODEL, {"1": 90, "7": 10})
     assert err.value.status == 400 and "no version '7'" in err.value.message

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.settings import Settings, load_settings
+from common.settings import Settings, load_settings
 
 
 @pytest.fixture

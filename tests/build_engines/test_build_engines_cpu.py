@@ -14,7 +14,7 @@ from build_engines import stage
 from build_engines.build import build
 from build_engines.plan import BuildError, parse_options
 from build_engines.register import read_row
-from fleet.settings import Settings
+from common.settings import Settings
 from registry.db import session_scope
 from registry.queries import list_audit, set_routes
 

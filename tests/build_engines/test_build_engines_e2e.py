@@ -9,9 +9,9 @@ import pytest
 
 from build_engines.build import build
 from build_engines.plan import parse_options
-from fleet.replicas import PORTS_PER_REPLICA, ReplicaSpec, replica_base_port, start_replica, stop_replica
-from fleet.services import replica_ports
-from fleet.settings import Settings, load_settings
+from autoscale.actuators.replicas import PORTS_PER_REPLICA, ReplicaSpec, replica_base_port, start_replica, stop_replica
+from common.services import replica_ports
+from common.settings import Settings, load_settings
 from registry.db import session_scope
 from registry.queries import routes_for, set_routes
 from tests.integration.platform import stream_completion

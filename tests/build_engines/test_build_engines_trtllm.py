@@ -18,7 +18,7 @@ from build_engines import trtllm
 from build_engines.build import build
 from build_engines.plan import BuildError, inspect_checkpoint, parse_options, resolve
 from build_engines.triton_repo import TEMPLATES
-from fleet.settings import Settings
+from common.settings import Settings
 
 SPEC = json.loads((Path(__file__).parent / "trtllm_cli_spec.json").read_text())
 
@@ -58,7 +58,8 @@ def check_against_cli(cmd: list[str]) -> argparse.Namespace:
 def plan_for(ckpt: Path, tmp_path: Path, **kw) -> trtllm.TrtllmPlan:
     opts = parse_options(model="m", version="1", checkpoint=str(ckpt), target="trtllm", **kw)
     plan = resolve(opts, inspect_checkpoint(str(ckpt)))
-    return trtllm.plan_trtllm(plan, tmp_path / "work", tmp_path / "serve", tmp_path / "adapters")
+    return trtllm.plan_trtllm(plan, tmp_path / "work", tmp_path / "serve", tmp_path / "adapters",
+                               "/opt/TensorRT-LLM/examples")
 
 
 def test_large_model_fp8_tp4_plan_matches_documented_cli(llama70b_dir: Path, tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.settings import REPO_ROOT
+from common.settings import REPO_ROOT
 
 ADAPTERS_DIR = REPO_ROOT / "adapters" / "smollm2-135m"
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"

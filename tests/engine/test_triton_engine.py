@@ -1,4 +1,5 @@
-"""The engine served by a real tritonserver as the decoupled Python-backend model `engine` (DESIGN.md §4):
+"""The engine served by a real tritonserver as the decoupled Python-backend model `engine`
+(docs/architecture.md, Replica interface):
 streamed greedy ids equal transformers', every response carries every output, the final one carries
 finish_reason + usage with the FINAL flag, cancellation frees the blocks, custom metrics are on the metrics
 port, and state reports reach a router endpoint."""
@@ -15,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fleet.hashing import prefix_block_hashes
-from fleet.processes import free_port, stop_pid
+from common.hashing import prefix_block_hashes
+from common.processes import free_port, stop_pid
 from tests.engine.conftest import ADAPTERS_DIR, CHAT
 
 pytestmark = pytest.mark.integration
@@ -47,7 +48,7 @@ def router_stub():
 @pytest.fixture(scope="module")
 def triton(settings, smollm2_dir, router_stub, tmp_path_factory):
     from build_engines.triton_repo import CPU_STEPS, render_repository, cpu_values
-    from fleet.services import start_triton
+    from common.services import start_triton
 
     out = tmp_path_factory.mktemp("engine-repo")
     steps = tuple(s for s in CPU_STEPS if (Path("model_repository") / s / "1" / "model.py").exists() or s == "llm")

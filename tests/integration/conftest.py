@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.processes import pid_alive
+from common.processes import pid_alive
 from tests.integration.platform import Platform, platform_env
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from fleet.processes import port_open
-from fleet.settings import REPO_ROOT
+from common.processes import port_open
+from common.settings import REPO_ROOT
 
 
 def _free_block(size: int) -> int:

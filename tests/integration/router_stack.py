@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 
-from fleet import processes
-from fleet.replicas import ReplicaSpec, start_replica
+from common import processes
+from autoscale.actuators.replicas import ReplicaSpec, start_replica
 from fleet.seed import DEFAULT_MODEL, DEFAULT_VERSION, seed
-from fleet.vendor import triton_home
-from fleet.settings import REPO_ROOT, Settings, load_settings
+from common.vendor import triton_home
+from common.settings import REPO_ROOT, Settings, load_settings
 from registry.db import migrate
 from tests.integration.platform import platform_env
 

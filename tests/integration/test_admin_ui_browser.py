@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from fleet.settings import REPO_ROOT
+from common.settings import REPO_ROOT
 from registry import queries
 from registry.db import session_scope
 from tests.admin_ui.browser import capture_admin_ui

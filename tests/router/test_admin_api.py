@@ -3,8 +3,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from registry import queries
+from registry.db import session_scope
 from registry.admin_tokens import set_admin_token
-from registry.db import migrate, session_scope
 from router_service.core import Router
 from router_service.http_frontend import create_app
 from router_service.registry_cache import RegistryCache
@@ -13,16 +13,9 @@ OPERATOR, VIEWER = "op-token", "view-token"
 
 
 @pytest.fixture
-def client(db_url):
-    migrate(db_url)
-    with session_scope(db_url) as s:
-        for v in ("1", "2"):
-            queries.upsert_model_version(s, "m", v, status="serving", max_context=2048)
-        queries.set_routes(s, "m", {"1": 100}, actor="seed")
-        queries.upsert_replica(s, "m-r0", model="m", version="1", grpc_url="127.0.0.1:1", http_url="http://x",
-                               state="serving")
-        set_admin_token(s, "alice", "operator", OPERATOR)
-        set_admin_token(s, "victor", "viewer", VIEWER)
+def client(db_url, seeded):
+    seeded(db_url, versions=("1", "2"), replicas=[("m-r0", "local")], extra=lambda s: (
+        set_admin_token(s, "alice", "operator", OPERATOR), set_admin_token(s, "victor", "viewer", VIEWER)))
     router = Router(RegistryCache(db_url))
     return TestClient(create_app(router)), db_url
 
@@ -69,16 +62,12 @@ def test_cordon_and_fleet_view(client):
     assert r.status_code == 404 and "cordon, drain, uncordon" in r.json()["error"]["message"]
 
 
-def test_registry_changes_reach_a_watching_router_within_one_second(sqlite_url):
+def test_registry_changes_reach_a_watching_router_within_one_second(sqlite_url, seeded):
     """A second router (its own RegistryCache) sees an admin change made elsewhere within 1 s."""
     import asyncio
     import time
 
-    migrate(sqlite_url)
-    with session_scope(sqlite_url) as s:
-        for v in ("1", "2"):
-            queries.upsert_model_version(s, "m", v, status="serving", max_context=2048)
-        queries.set_routes(s, "m", {"1": 100}, actor="seed")
+    seeded(sqlite_url, versions=("1", "2"))
     cache = RegistryCache(sqlite_url)
 
     async def main():

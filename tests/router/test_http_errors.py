@@ -4,7 +4,6 @@ import pytest
 from fastapi.testclient import TestClient
 
 from registry import queries
-from registry.db import migrate, session_scope
 from registry.schema import Adapter
 from router_service.core import Router
 from router_service.http_frontend import create_app
@@ -12,18 +11,16 @@ from router_service.registry_cache import RegistryCache
 
 
 @pytest.fixture
-def http(sqlite_url, smollm2_dir):
-    migrate(sqlite_url)
-    with session_scope(sqlite_url) as s:
-        queries.upsert_model_version(s, "m", "1", status="serving", max_context=2048,
-                                     weights_uri=str(smollm2_dir))  # the router checks ids against its vocab
-        queries.set_routes(s, "m", {"1": 100}, actor="seed")
-        keys = {"dev": queries.create_caller(s, "dev", "team-a"),
-                "batchy": queries.create_caller(s, "batchy", "team-b", max_tier="batch"),
-                "tiny": queries.create_caller(s, "tiny", "team-a", token_quota_per_day=10)}
+def http(sqlite_url, seeded):
+    keys = {}
+
+    def callers_and_adapter(s):
+        keys.update(dev=queries.create_caller(s, "dev", "team-a"),
+                    batchy=queries.create_caller(s, "batchy", "team-b", max_tier="batch"),
+                    tiny=queries.create_caller(s, "tiny", "team-a", token_quota_per_day=10))
         s.add(Adapter(name="sql", base_model="m", base_version="1", uri="/x", rank=8, owner_team="team-a",
                       status="ready"))
-        queries.bump_version(s)
+    seeded(sqlite_url, extra=callers_and_adapter)
     router = Router(RegistryCache(sqlite_url))
     client = TestClient(create_app(router))
     return client, {k: {"authorization": f"Bearer {v}"} for k, v in keys.items()}

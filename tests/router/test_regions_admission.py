@@ -5,7 +5,6 @@ import asyncio
 import pytest
 
 from registry import queries
-from registry.db import migrate, session_scope
 from registry.schema import Caller
 from router_service.core import Router
 from router_service.errors import RouterError
@@ -16,19 +15,12 @@ from router_service.request import GenerateRequest
 
 
 @pytest.fixture
-def router(sqlite_url, smollm2_dir):
-    migrate(sqlite_url)
-    with session_scope(sqlite_url) as s:
-        queries.upsert_model_version(s, "m", "1", status="serving", max_context=2048,
-                                     weights_uri=str(smollm2_dir))  # the router checks ids against its vocab
-        queries.set_routes(s, "m", {"1": 100}, actor="seed")
-        for rid, region in (("eu-0", "eu"), ("us-0", "us")):
-            queries.upsert_replica(s, rid, model="m", version="1", region=region, grpc_url="127.0.0.1:1",
-                                   http_url="http://x", state="serving")
+def router(sqlite_url, seeded):
+    def eu_caller(s):
         queries.create_caller(s, "eu-caller", "t")
         s.flush()
         s.get(Caller, "eu-caller").region = "eu"
-        queries.bump_version(s)
+    seeded(sqlite_url, replicas=[("eu-0", "eu"), ("us-0", "us")], extra=eu_caller)
     return Router(RegistryCache(sqlite_url), choice=ChoiceParams(replica_concurrency=1, batch_share=1.0),
                   gateway=Gateway(1000, 1000))
 

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from fleet.hashing import prefix_block_hashes
+from common.hashing import prefix_block_hashes
 from router_service.errors import RouterError
 from router_service.gateway import Gateway
 from router_service.regions import candidate_tiers

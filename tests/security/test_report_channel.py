@@ -15,7 +15,7 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 
-from fleet.report_channel import REPLICA_HEADER, REPORT_PATH, SIGNATURE_HEADER, load_report_secret, replica_key, sign
+from common.report_channel import REPLICA_HEADER, REPORT_PATH, SIGNATURE_HEADER, load_report_secret, replica_key, sign
 from registry import queries
 from registry.db import migrate, session_scope
 from router_service.core import Router
@@ -50,7 +50,7 @@ def test_callers_port_has_no_report_endpoint(stack, http):
 
 def test_internal_listener_refuses_unsigned_forged_and_unknown_reports(stack, http):
     rid = stack.replica_ids[0]
-    secret = load_report_secret(stack.settings.report_secret_file)
+    secret = load_report_secret(stack.settings)
     assert _post(stack, _report(rid, draining=True), key=None).status_code == 401
     other = _post(stack, _report(rid, draining=True), key=replica_key(secret, "someone-else"))
     assert other.status_code == 401 and "does not match" in other.json()["error"]["message"]
@@ -66,7 +66,7 @@ def test_internal_listener_refuses_unsigned_forged_and_unknown_reports(stack, ht
 
 def test_signed_reports_must_fit_the_schema(stack, http):
     rid = stack.replica_ids[0]
-    key = replica_key(load_report_secret(stack.settings.report_secret_file), rid)
+    key = replica_key(load_report_secret(stack.settings), rid)
     for bad, field in ((_report(rid, block_size="abc"), "block_size"), (_report(rid, prefix_hashes=["x"]), "prefix_hashes"),
                        (_report(rid, running=-1), "running"), (_report(rid, colour="red"), "colour"),
                        (_report(rid, draining="yes"), "draining")):

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from fleet.settings import REPO_ROOT
+from common.settings import REPO_ROOT
 from registry import queries
 from registry.schema import Adapter, AdminToken, Caller
 from tests.security.conftest import MODEL, bearer, registry_write

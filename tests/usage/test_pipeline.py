@@ -112,7 +112,7 @@ def test_crash_between_write_and_commit_gives_no_duplicates(kafka_bootstrap, tmp
 
 
 def test_emit_never_waits_for_a_dead_broker(tmp_path, make_event):
-    from fleet.processes import free_port
+    from common.processes import free_port
     producer = UsageProducer(f"127.0.0.1:{free_port()}", tmp_path / "spool").start()
     t0 = time.perf_counter()
     for i in range(1000):

@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from python_backends.engine.config import EngineConfig
+from python_backends.engine.config import EngineConfig, engine_overrides
 from python_backends.engine.engine import LLMEngine, StepOutput
 from python_backends.engine.loop import EngineLoop
 from python_backends.engine.metrics import TritonMetrics
@@ -57,7 +57,7 @@ class TritonPythonModel:
     def initialize(self, args):
         model_config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
-        self.config = EngineConfig.from_params(params)
+        self.config = EngineConfig.from_params(params, engine_overrides())  # FLEET_ENGINE_* read once, here
         self.engine = LLMEngine(self.config)
         identity = identity_from_env()
         labels = {"replica_id": identity["replica_id"], "model": identity["model"] or "engine"}

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from fleet.text import load_tokenizer
+from common.text import load_tokenizer
 
 
 def _arr(request, name):

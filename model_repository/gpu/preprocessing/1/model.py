@@ -5,14 +5,14 @@ executed on the CPU machines. Shapes carry an explicit batch dim of 1 (this mode
 tensorrt_llm model does). LoRA tensors come from `<adapters_dir>/<lora_name>/model.lora_{weights,config}.npy`
 (TensorRT-LLM's hf_lora_convert.py output) and are sent only for adapter requests.
 """
-import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from fleet.text import load_tokenizer
+from common.hashing import lora_task_id
+from common.text import load_tokenizer
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -20,11 +20,6 @@ DEFAULT_MAX_TOKENS = 256
 def _opt(request, name, default):
     t = pb_utils.get_input_tensor_by_name(request, name)
     return default if t is None else t.as_numpy().reshape(-1)[0]
-
-
-def lora_task_id(adapter: str) -> int:
-    """Same id as build_engines.trtllm.lora_task_id (kept dependency-free here)."""
-    return int.from_bytes(hashlib.sha256(adapter.encode()).digest()[:8], "big") >> 1
 
 
 class TritonPythonModel:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fleet.settings import Settings
+from common.settings import Settings
 
 
 class StartupFailed(RuntimeError):

@@ -11,7 +11,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from fleet.settings import Settings
+from common.settings import Settings
 
 PYTHON_TAG = f"{sys.version_info.major}.{sys.version_info.minor}"
 

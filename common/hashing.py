@@ -1,7 +1,7 @@
 """Prefix block hashing shared by the engine (prefix cache) and the router (prefix affinity).
 
 A prompt is cut into full blocks of `block_size` token ids; each block's hash chains the previous
-block's hash, so equal hashes mean equal whole prefixes (DESIGN.md §4). Partial trailing blocks
+block's hash, so equal hashes mean equal whole prefixes (docs/architecture.md, State reports). Partial trailing blocks
 are never hashed: they cannot be shared.
 """
 from __future__ import annotations
@@ -29,3 +29,9 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
         prev = hash_block(prev, token_ids[start:start + block_size])
         hashes.append(prev)
     return hashes
+
+
+def lora_task_id(adapter: str) -> int:
+    """Stable LoRA task id of an adapter name (TensorRT-LLM's LoRA cache key, < 2^63): the same on every
+    replica and across restarts, so a task cached by the backend is found again by name."""
+    return int.from_bytes(hashlib.sha256(adapter.encode()).digest()[:8], "big") >> 1

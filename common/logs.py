@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import logging
-import os
 
 
-def setup_logging(component: str) -> logging.Logger:
-    level = os.environ.get("FLEET_LOG_LEVEL", "INFO").upper()
+def setup_logging(component: str, level: str = "INFO") -> logging.Logger:
+    """Configure the root logger once, at start; `level` comes from Settings.log_level (FLEET_LOG_LEVEL)."""
+    level = level.upper()
     logging.basicConfig(
         level=level,
         format=f"%(asctime)s %(levelname)s {component} %(name)s: %(message)s",

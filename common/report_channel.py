@@ -6,8 +6,8 @@ other replicas' reports. A signature covers a timestamp and the exact body bytes
 cannot be altered and is refused once older than `MAX_SKEW_S`.
 
 Senders (the engine's `StateReporter`, a GPU state reporter) call `post_report`; the router calls
-`verify_report`. The secret lives in `<data dir>/report-secret` (created on first use, mode 0600) or
-`FLEET_REPORT_SECRET`; a replica gets only its derived key in `FLEET_REPORT_KEY`.
+`verify_report`. The secret is FLEET_REPORT_SECRET or `<data dir>/report-secret` (created on first use, mode
+0600); a replica gets only its derived key in `FLEET_REPORT_KEY`.
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import os
 import secrets
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
+
+from common.settings import Settings
 
 REPORT_PATH = "/internal/replica-state"
 SIGNATURE_HEADER = "x-fleet-report-signature"
@@ -31,17 +32,20 @@ class ReportAuthError(ValueError):
     """A report whose signature is missing, malformed, stale or wrong."""
 
 
-def load_report_secret(secret_file: Path) -> bytes:
+def load_report_secret(settings: Settings) -> bytes:
     """The fleet's report secret: FLEET_REPORT_SECRET, else the data dir's file (created if missing)."""
-    env = os.environ.get("FLEET_REPORT_SECRET")
-    if env:
-        return env.encode()
-    if not secret_file.exists():
-        secret_file.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    if settings.report_secret:
+        return settings.report_secret.encode()
+    path = settings.report_secret_file
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process created it first
+            return path.read_text().strip().encode()
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(32) + "\n")
-    return secret_file.read_text().strip().encode()
+    return path.read_text().strip().encode()
 
 
 def replica_key(secret: bytes, replica_id: str) -> str:

@@ -7,9 +7,9 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from fleet.processes import port_open, spawn, wait_until
-from fleet.settings import Settings
-from fleet.vendor import tansu_binary, triton_env, triton_home
+from common.processes import port_open, spawn, wait_until
+from common.settings import Settings
+from common.vendor import tansu_binary, triton_env, triton_home
 
 
 def start_tansu(settings: Settings, port: int, log_path: Path) -> subprocess.Popen:

@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleet import processes
-from fleet.report_channel import load_report_secret, replica_key
-from fleet.services import replica_ports, start_triton
-from fleet.settings import Settings
+from common import processes
+from common.report_channel import load_report_secret, replica_key
+from common.services import replica_ports, start_triton
+from common.settings import Settings
 from registry import queries
 from registry.db import session_scope
 
@@ -58,7 +58,7 @@ def start_replica(settings: Settings, spec: ReplicaSpec, extra_env: dict[str, st
     with session_scope(settings.db_url) as s:
         queries.upsert_replica(s, spec.replica_id, state="starting", pid=0, **common)
     # reports go to the router's internal listener, signed with a key that speaks for this replica only
-    key = replica_key(load_report_secret(settings.report_secret_file), spec.replica_id)
+    key = replica_key(load_report_secret(settings), spec.replica_id)
     env = {"FLEET_REPLICA_ID": spec.replica_id, "FLEET_MODEL": spec.model, "FLEET_VERSION": spec.version,
            "FLEET_REGION": settings.region, "FLEET_ROUTER_URLS": settings.router_internal_url,
            "FLEET_REPORT_KEY": key, **(extra_env or {})}
