@@ -104,9 +104,12 @@ def test_concurrency_cap_and_quota_survive_a_router_restart(stack, http):
     capped = registry_write(stack, lambda s: queries.create_caller(s, "capped", "dev-team", max_concurrent=1))
     quota = registry_write(stack, lambda s: queries.create_caller(s, "metered", "dev-team", token_quota_per_day=100))
     with httpx.Client(base_url=stack.http_url, timeout=60) as other:
-        with other.stream("POST", "/v1/completions", headers=bearer(capped),
-                          json={"model": MODEL, "prompt": "Count to fifty.", "max_tokens": 200, "stream": True}) as s:
-            next(s.iter_lines())  # the first stream holds the caller's only slot
+        with other.stream("POST", "/v1/chat/completions", headers=bearer(capped),
+                          json={"model": MODEL, "max_tokens": 300, "temperature": 0, "stream": True,
+                                "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}) as s:
+            assert s.status_code == 200, s.read()
+            lines = s.iter_lines()  # kept: a dropped iterator closes the stream
+            assert '"content"' in next(lines)  # streaming: the first stream holds the caller's only slot
             r = http.post("/v1/completions", headers=bearer(capped), json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 429 and "concurrency" in r.text  # before: no per-caller cap
     first = http.post("/v1/completions", headers=bearer(quota), json={"model": MODEL, "prompt": "Hi", "max_tokens": 20})
