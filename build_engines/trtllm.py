@@ -4,12 +4,15 @@ Written against TensorRT-LLM 0.17 (tensorrtllm_backend v0.17.0), whose tools shi
 TRT-LLM container (nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3) with the TensorRT-LLM
 examples mounted at --trtllm-examples (see docs/build_engines.md). The steps, in order:
 
-1. checkpoint: `python <examples>/quantization/quantize.py --qformat fp8 --kv_cache_dtype fp8 --tp_size N`
-   (ModelOpt fp8 with calibration) or `python <examples>/llama/convert_checkpoint.py --dtype float16 --tp_size N`
+1. checkpoint: `python <examples>/quantization/quantize.py --qformat fp8 --tp_size N` (ModelOpt fp8 with
+   calibration; `--kv_cache_dtype fp8` only when --kv-cache-dtype fp8 is chosen, a separate decision: with fp16
+   weights that is `--qformat full_prec --kv_cache_dtype fp8`) or `python <examples>/llama/convert_checkpoint.py`
 2. engine: `trtllm-build` with paged KV cache, paged context FMHA (needed for KV-cache reuse and chunked
    context), removed input padding, the gemm/attention plugins, the LoRA plugin for the small base model,
    and max batch size / num tokens / input and sequence lengths
-3. tokenizer files copied next to the engine; the Triton repository rendered with the `tensorrt_llm`
+3. LoRA engines: every PEFT adapter under the adapters folder converted to TensorRT-LLM's LoRA tensors
+   (build_engines.lora_convert, the layout of TensorRT-LLM's hf_lora_convert.py) beside its PEFT files;
+4. tokenizer files copied next to the engine; the Triton repository rendered with the `tensorrt_llm`
    model (inflight fused batching, decoupled streaming, kv_cache_free_gpu_mem_fraction, KV-cache reuse,
    LoRA cache) and the GPU preprocessing / postprocessing; then staged and registered like the cpu target.
 
@@ -45,6 +48,7 @@ GPU_TEMPLATES = {"llm": TEMPLATES / "gpu" / "llm", "preprocessing": TEMPLATES / 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "generation_config.json", "config.json", "chat_template.jinja")
 HF_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp8": "float16"}
+TOKENS_PER_BLOCK = 64  # KV-cache block size given to trtllm-build; postprocessing turns reused blocks into tokens
 
 
 @dataclass(frozen=True)
@@ -68,9 +72,11 @@ def plan_trtllm(plan: BuildPlan, work_dir: Path, serve_dir: Path, adapters_dir: 
     hf = str(plan.ckpt.path)
     ckpt_dir, engine_dir = work_dir / "trtllm_checkpoint", work_dir / "engine"
     base_dtype = HF_DTYPE[plan.dtype]
-    if plan.dtype == "fp8":
+    kv_fp8 = o.kv_cache_dtype == "fp8"
+    if plan.dtype == "fp8" or kv_fp8:  # ModelOpt: fp8 weights and/or fp8 KV-cache scales need calibration
         convert = ["python3", f"{examples_dir}/quantization/quantize.py", "--model_dir", hf,
-                   "--dtype", base_dtype, "--qformat", "fp8", "--kv_cache_dtype", "fp8",
+                   "--dtype", base_dtype, "--qformat", "fp8" if plan.dtype == "fp8" else "full_prec",
+                   *(["--kv_cache_dtype", "fp8"] if kv_fp8 else []),
                    "--calib_size", str(o.calib_size), "--tp_size", str(tp), "--pp_size", "1",
                    "--output_dir", str(ckpt_dir)]
     else:
@@ -83,7 +89,8 @@ def plan_trtllm(plan: BuildPlan, work_dir: Path, serve_dir: Path, adapters_dir: 
              "--use_paged_context_fmha", "enable",
              "--max_batch_size", str(o.max_batch_size), "--max_num_tokens", str(o.max_num_tokens),
              "--max_input_len", str(plan.extra["max_input_len"]), "--max_seq_len", str(plan.extra["max_seq_len"]),
-             "--max_beam_width", "1", "--multiple_profiles", "enable", "--workers", str(tp)]
+             "--max_beam_width", "1", "--multiple_profiles", "enable", "--workers", str(tp),
+             "--tokens_per_block", str(TOKENS_PER_BLOCK)]
     if plan.dtype == "fp8":
         build += ["--use_fp8_context_fmha", "enable"]
     if plan.lora:
@@ -116,13 +123,25 @@ def trtllm_values(plan: BuildPlan, engine_dir: Path, tokenizer_dir: Path, adapte
         "lora_max_modules_layers": str(modules),
         "tokenizer_dir": str(tokenizer_dir), "adapters_dir": str(adapters_dir),
         "max_context": str(plan.max_context), "dtype": plan.dtype, "tensor_parallel": str(tp),
-        "kv_cache_dtype": "fp8" if plan.dtype == "fp8" else HF_DTYPE[plan.dtype],
+        "tokens_per_block": str(TOKENS_PER_BLOCK),
+        "kv_cache_dtype": "fp8" if plan.opts.kv_cache_dtype == "fp8" else HF_DTYPE[plan.dtype],
     }
 
 
 def render(values: dict[str, str], out_dir: Path, templates: dict[str, Path] | None = None) -> Path:
     """Render the GPU Triton repository (ensemble llm, preprocessing, tensorrt_llm, postprocessing)."""
     return triton_repo.render_steps(out_dir, values, templates or GPU_TEMPLATES)
+
+
+def convert_adapters(adapters_dir: Path) -> list[str]:
+    """PEFT adapters under adapters_dir -> model.lora_{weights,config}.npy beside them; returns their names."""
+    from build_engines.lora_convert import convert_peft
+
+    done = []
+    for folder in sorted(p for p in adapters_dir.glob("*") if (p / "adapter_config.json").is_file()):
+        convert_peft(folder, folder)
+        done.append(folder.name)
+    return done
 
 
 def runtime_problems(tp: int, examples_dir: str) -> list[str]:
@@ -176,7 +195,10 @@ def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str) -> BuildRe
         text = (f"# target trtllm (TensorRT-LLM {TRTLLM_VERSION}; run inside {TRITON_IMAGE})\n"
                 f"# {opts.model} version {opts.version}: dtype {plan.dtype}, tensor parallel {plan.tensor_parallel}, "
                 f"LoRA plugin {'on' if plan.lora else 'off'}, max context {plan.max_context}\n"
-                f"{tp_plan.shell()}\n# then: render {vdir}/model_repository, stage to {uri}, register "
+                f"{tp_plan.shell()}\n"
+                + (f"# convert PEFT adapters under {settings.data_dir / 'adapters'} to TensorRT-LLM LoRA tensors\n"
+                   if plan.lora else "")
+                + f"# then: render {vdir}/model_repository, stage to {uri}, register "
                 f"building -> built -> staged\n# --- tensorrt_llm/config.pbtxt ---\n{cfg}")
         return BuildResult("planned", opts.model, opts.version, message="dry run: nothing done", plan_text=text)
     problems = runtime_problems(plan.tensor_parallel, examples)
@@ -218,6 +240,9 @@ def _run_build(opts: BuildOptions, settings: Settings, db_url: str, ckpt: Any, p
         for i, cmd in enumerate(tp_plan.commands):
             step = f"step {i + 1}/{len(tp_plan.commands)} ({Path(cmd[1] if cmd[0] == 'python3' else cmd[0]).name})"
             timings[step] = _run(cmd, work / "build.log", step)
+        if plan.lora:
+            step = "convert LoRA adapters"
+            info["lora_converted"] = convert_adapters(settings.data_dir / "adapters")
         step = "collect artefacts"
         partial.mkdir(parents=True)
         shutil.move(str(tp_plan.engine_dir), partial / "engine")

@@ -28,10 +28,11 @@ class ReplicaReport(BaseModel):
     version: str = Field(default="", max_length=64)
     region: str = Field(default="local", max_length=32)
     ts: Gauge = 0.0
-    kv_blocks_total: Count = 0
-    kv_blocks_free: Count = 0
+    # None = the reporter does not know (the GPU reporter leaves out a backend metric it has not seen move)
+    kv_blocks_total: Count | None = None
+    kv_blocks_free: Count | None = None
     block_size: Annotated[int, Field(strict=True, ge=1, le=4096)] = DEFAULT_BLOCK_SIZE
-    running: Count = 0
+    running: Count | None = None
     waiting: Count = 0
     queue_wait_ms_p95: Gauge = 0.0
     ttft_ms_p95: Gauge = 0.0
@@ -42,3 +43,5 @@ class ReplicaReport(BaseModel):
     prefix_hashes: list[Hash] | None = Field(default=None, max_length=MAX_HASHES)
     prefix_hashes_added: list[Hash] = Field(default_factory=list, max_length=MAX_HASHES)
     prefix_hashes_removed: list[Hash] = Field(default_factory=list, max_length=MAX_HASHES)
+    # False: the replica cannot report cached blocks (TensorRT-LLM under Triton); the router uses its routed history
+    prefix_hashes_reported: StrictBool = True

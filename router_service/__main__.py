@@ -39,8 +39,20 @@ def parse_args(s: Settings, rs: RouterSettings) -> argparse.Namespace:
     return ap.parse_args()
 
 
+def register_env_admin_tokens(settings: Settings, db_url: str) -> None:
+    """FLEET_ADMIN_TOKEN / FLEET_VIEWER_TOKEN (e.g. from a Kubernetes Secret) become the named tokens `admin`
+    and `viewer` (stored hashed), as `fleet seed` does for the data dir's token files."""
+    from registry.admin_tokens import ensure_admin_token
+    from registry.db import session_scope
+    for name, role, token in (("admin", "operator", settings.admin_token), ("viewer", "viewer", settings.viewer_token)):
+        if token:
+            with session_scope(db_url) as s:
+                ensure_admin_token(s, name, role, token)
+
+
 async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings) -> None:
     log = setup_logging("router", settings.log_level)
+    register_env_admin_tokens(settings, args.db_url)
     registry = RegistryCache(args.db_url)
     producer = None if args.no_usage else UsageProducer(args.kafka, settings.spool_dir / "router", settings.usage_topic)
     if producer is not None:

@@ -39,3 +39,6 @@ PREEMPTIONS = Counter("fleet_router_preemptions_total", "Batch streams paused fo
                       "(FLEET_ROUTER_BATCH_YIELD=preempt)", ["model"])
 REPORTS_REFUSED = Counter("fleet_router_state_reports_refused_total", "Replica state reports refused on the internal "
                           "listener (unauthenticated, not_found, invalid_argument, ...)", ["code"])
+LORA_WEIGHT_SENDS = Counter("fleet_router_lora_weight_sends_total", "Requests on which the router asked a replica "
+                            "to attach LoRA weights: first use there, or resent after the backend's not-cached "
+                            "answer", ["replica", "reason"])

@@ -41,7 +41,8 @@ class _Common(BaseModel):
             request_id="req-" + uuid.uuid4().hex, model=self.model, version=self.version, adapter=self.adapter,
             tier=tier_from_param(self.priority),
             deadline_ms=deadline_from_param(self.deadline_ms) if self.deadline_ms is not None else None,
-            max_tokens=self.max_completion_tokens or self.max_tokens or 64, temperature=self.temperature,
+            max_tokens=next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None), 64),
+            temperature=self.temperature,
             top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop, session=self.session or self.user or "",
             **prompt)
 

@@ -10,6 +10,10 @@ replica ("pending" hashes, kept for `pending_ttl_s`): a multi-turn conversation'
 
 Reports are validated against `ReplicaReport` (common/replica_report.py, the schema the engine builds them
 with: strict types, bounded sizes) before they touch routing state.
+
+Replicas that cannot report prefix hashes (GPU replicas: tensorrtllm_backend exposes no KV-cache events; their
+reports say `prefix_hashes_reported: false`) are judged on that routed-prefix history alone, kept for
+`history_ttl_s` instead of `pending_ttl_s`.
 """
 from __future__ import annotations
 
@@ -38,9 +42,10 @@ class ReplicaState:
 
 
 class ReplicaStateTable:
-    def __init__(self, stale_after_s: float = 2.0, pending_ttl_s: float = 5.0) -> None:
+    def __init__(self, stale_after_s: float = 2.0, pending_ttl_s: float = 5.0, history_ttl_s: float = 300.0) -> None:
         self.stale_after_s = stale_after_s
         self.pending_ttl_s = pending_ttl_s
+        self.history_ttl_s = history_ttl_s
         self.states: dict[str, ReplicaState] = {}
         self.pending: dict[str, dict[int, float]] = {}  # replica -> hash -> monotonic time routed
         self.full_snapshots: dict[str, float] = {}       # replica -> monotonic time of its last full snapshot
@@ -77,15 +82,20 @@ class ReplicaStateTable:
         for h in hashes:
             pending[h] = now
         if len(pending) > 50_000:  # bound memory: drop expired entries
-            cutoff = now - self.pending_ttl_s
+            cutoff = now - self._ttl(replica_id)
             self.pending[replica_id] = {h: t for h, t in pending.items() if t >= cutoff}
+
+    def _ttl(self, replica_id: str) -> float:
+        state = self.states.get(replica_id)
+        blind = state is not None and state.report.get("prefix_hashes_reported") is False
+        return self.history_ttl_s if blind else self.pending_ttl_s
 
     def cached_blocks(self, replica_id: str, hashes: list[int]) -> int:
         """Leading prompt blocks that replica_id has cached (reported) or was just sent (pending)."""
         state = self.fresh(replica_id)
         cached = state.prefix_hashes if state is not None else ()
         pending = self.pending.get(replica_id) or {}
-        cutoff = time.monotonic() - self.pending_ttl_s
+        cutoff = time.monotonic() - self._ttl(replica_id)
         n = 0
         for h in hashes:
             if h in cached:

@@ -130,5 +130,5 @@ class Prepared:
     def hashes(self, ids: list[int], block_size: int) -> list[int]:
         key = (len(ids), block_size)
         if key not in self._hashes:
-            self._hashes[key] = prefix_block_hashes(ids, block_size)
+            self._hashes[key] = prefix_block_hashes(ids, block_size, self.req.adapter)   # the engine's rule
         return self._hashes[key]

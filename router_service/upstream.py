@@ -1,22 +1,40 @@
-"""Streaming calls from the router to one Triton replica's decoupled ensemble `llm`
-(docs/architecture.md, Replica interface)."""
+"""Streaming calls from the router to one Triton replica's decoupled ensemble `llm` (docs/architecture.md, Replica interface).
+
+A stream ends on whichever comes first: a response that carries a `finish_reason` (the CPU engine knows why it
+stopped), or Triton's empty final response (parameter `triton_final_response`, asked for with
+`triton_enable_empty_final_response`). The second is the only end signal of the GPU ensemble: TensorRT-LLM
+streams new tokens only, omits `end_id`, and an ensemble step never sees the backend's last-response flag, so
+there the router decides `length` (it asked for that many tokens) or `stop` and counts the tokens itself.
+
+LoRA on GPU replicas: TensorRT-LLM caches adapter weights per task id. The first request of an adapter on a
+replica asks the replica to attach the weights (request parameter `lora_load`); later ones send only the
+name (-> `lora_task_id`). When the backend answers that the task is not cached (evicted, or the replica
+restarted), the request is sent again at once with `lora_load`.
+"""
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 from array import array
 from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
-from tritonclient.grpc import InferInput, InferRequestedOutput
+from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
+from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException
 
+from router_service import metrics
 from router_service.cancellation import CancelHandle
 from router_service.request import TIER_INDEX, Finished, GenerateRequest, TokenDelta
 
+log = logging.getLogger(__name__)
 ENSEMBLE = "llm"
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "usage")
+# TensorRT-LLM's PeftCacheManager: "LoRA task <id> not found in cache. Please send LoRA weights with request"
+LORA_NOT_CACHED = re.compile(r"LoRA task \d+ not found in cache")
 
 
 class ReplicaFailed(Exception):
@@ -54,11 +72,19 @@ def build_inputs(req: GenerateRequest, prompt_ids: list[int], max_tokens: int) -
     return inputs
 
 
+def is_final(response) -> bool:
+    """Triton's last response of a decoupled stream (the empty one when nothing else carries the flag)."""
+    param = response.parameters.get("triton_final_response")
+    return param is not None and param.bool_param
+
+
 def _decode(result) -> tuple[str, list[int], str, list[int]]:
     """(delta text, delta ids, finish reason, usage) of one streamed response, read straight from the raw
     output buffers (hot path; `as_numpy` costs ~30 us per response)."""
     resp = result.get_response()
     raw = resp.raw_output_contents
+    if not resp.outputs:
+        return "", [], "", [0, 0, 0]
     if len(raw) != len(resp.outputs):
         return (result.as_numpy("text_output").reshape(-1)[0].decode("utf-8"),
                 result.as_numpy("output_ids").reshape(-1).tolist(),
@@ -73,15 +99,37 @@ def _decode(result) -> tuple[str, list[int], str, list[int]]:
             usage.tolist() or [0, 0, 0])
 
 
+class LoraNotCached(Exception):
+    """The replica's TensorRT-LLM LoRA cache does not hold the adapter (evicted, or the replica restarted)."""
+
+
 class ReplicaClient:
     """One long-lived gRPC channel per replica; each request is its own bidirectional stream."""
 
     def __init__(self, replica_id: str, grpc_url: str) -> None:
         self.replica_id = replica_id
         self.client = grpcclient.InferenceServerClient(grpc_url)
+        self.lora_sent: set[str] = set()  # adapters whose weights this replica was asked to load
 
     async def close(self) -> None:
         await self.client.close()
+
+    def _open(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int, done: asyncio.Event, lora_load: bool):
+        params = {"llm_priority": TIER_INDEX[req.tier], "deadline_ms": int(req.deadline_ms or 0)}
+        if lora_load:
+            params["lora_load"] = True
+        request = _get_inference_request(
+            model_name=ENSEMBLE, inputs=build_inputs(req, prompt_ids, max_tokens), model_version="",
+            request_id=req.request_id, outputs=[InferRequestedOutput(name) for name in OUTPUTS], sequence_id=0,
+            sequence_start=False, sequence_end=False, priority=0, timeout=None, parameters=params)
+        # tritonclient's stream_infer refuses `triton_`-prefixed parameters, so the request is built with its
+        # own helper and Triton's switch for the empty final response is set here.
+        request.parameters["triton_enable_empty_final_response"].bool_param = True
+
+        async def requests():
+            yield request
+            await done.wait()  # keep our side open until the replica has sent its last response
+        return self.client._client_stub.ModelStreamInfer(requests())
 
     async def generate(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int,
                        handle: CancelHandle | None = None) -> AsyncIterator[TokenDelta | Finished]:
@@ -91,35 +139,48 @@ class ReplicaClient:
         sequence's KV blocks at once. `handle.cancel()` (cancel by id) does the same from elsewhere and
         this generator then ends with a Finished(`cancelled`).
         """
+        adapter = req.adapter
+        lora_load = bool(adapter) and adapter not in self.lora_sent
+        if lora_load:
+            metrics.LORA_WEIGHT_SENDS.labels(self.replica_id, "first").inc()
+        try:
+            async for item in self._attempt(req, prompt_ids, max_tokens, handle, lora_load):
+                yield item
+        except LoraNotCached:
+            log.info("replica %s no longer caches adapter %s: sending its weights again", self.replica_id, adapter)
+            metrics.LORA_WEIGHT_SENDS.labels(self.replica_id, "not_cached").inc()
+            async for item in self._attempt(req, prompt_ids, max_tokens, handle, True):
+                yield item
+
+    async def _attempt(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int,
+                       handle: CancelHandle | None, lora_load: bool) -> AsyncIterator[TokenDelta | Finished]:
         done = asyncio.Event()
-
-        async def requests():
-            yield {
-                "model_name": ENSEMBLE,
-                "inputs": build_inputs(req, prompt_ids, max_tokens),
-                "outputs": [InferRequestedOutput(name) for name in OUTPUTS],
-                "request_id": req.request_id,
-                "parameters": {"llm_priority": TIER_INDEX[req.tier], "deadline_ms": int(req.deadline_ms or 0)},
-            }
-            await done.wait()  # keep our side open until the replica has sent its last response
-
-        stream = self.client.stream_infer(requests())
+        if lora_load:
+            self.lora_sent.add(req.adapter)
+        stream = self._open(req, prompt_ids, max_tokens, done, lora_load)
         if handle is not None:
             handle.upstream = stream
             if handle.cancelled or handle.preempted:
                 stream.cancel()
-        finished = False
+        finished, emitted, cached = False, 0, 0
         try:
-            async for result, error in stream:
-                if error is not None:
-                    raise ReplicaFailed(str(error), alive=True)
-                text, ids, reason, usage = _decode(result)
+            async for response in stream:
+                if response.error_message:
+                    if LORA_NOT_CACHED.search(response.error_message) and not emitted and not lora_load:
+                        self.lora_sent.discard(req.adapter)
+                        raise LoraNotCached(response.error_message)
+                    raise ReplicaFailed(response.error_message, alive=True)
+                text, ids, reason, usage = _decode(InferResult(response.infer_response))
+                emitted += len(ids)
+                cached = max(cached, int(usage[1]))  # GPU: kv_cache_reused_blocks x block size, on every response
                 if text or ids:
                     yield TokenDelta(text, ids)
-                if reason:
+                final = is_final(response.infer_response)
+                if reason or final:
+                    # GPU ensemble: the final flag is the end; the router asked for max_tokens, so fewer = stop
                     finished = True
-                    yield Finished(reason, int(usage[0]), int(usage[1]), int(usage[2]), model="", version="",
-                                   replica_id=self.replica_id)
+                    yield Finished(reason or ("length" if emitted >= max_tokens else "stop"), len(prompt_ids),
+                                   cached, emitted, model="", version="", replica_id=self.replica_id)
                     return
             if handle is not None and (handle.cancelled or handle.preempted):
                 raise asyncio.CancelledError()  # our own cancel ended the call cleanly; handled below

@@ -24,6 +24,7 @@ from autoscale.actuators import PoolSpec, ReplicaCounts
 from autoscale.signals import replica_inflight
 from autoscale.actuators.replicas import ReplicaSpec, replica_base_port, start_replica, stop_replica
 from common.settings import REPO_ROOT, Settings
+from python_backends.engine.config import engine_overrides
 from registry.db import session_scope
 from registry.queries import list_replicas, set_replica_state
 
@@ -227,8 +228,9 @@ _PENDING = re.compile(r'^nv_inference_pending_request_count\{[^}]*\}\s+([0-9.eE+
 def engine_threads() -> int:
     """Torch threads each local engine replica runs: FLEET_ENGINE_THREADS, else the engine model's
     config.pbtxt `threads` parameter (what python_backends/engine reads), else 2."""
-    if os.environ.get("FLEET_ENGINE_THREADS", "").isdigit():
-        return max(1, int(os.environ["FLEET_ENGINE_THREADS"]))
+    threads = engine_overrides().get("threads")
+    if threads:
+        return max(1, threads)
     try:
         text = (REPO_ROOT / "model_repository" / "engine" / "config.pbtxt").read_text()
     except OSError:

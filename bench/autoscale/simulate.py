@@ -5,8 +5,8 @@
     python bench/autoscale/simulate.py --seeds 1 2 3   # + robustness over seeds -> bench/results/autoscale-seeds.json
 
 The main run is `fleet simulate --reuse-sweep` (all policies, then ours + disaggregated at 0-80 % reuse);
-then the same day without batch work, and with the small model calibrated from the H200 measurement
-(autoscale/simulator/calibration/). The seed sweep reruns the whole comparison per seed.
+then the same day without batch work, and with the small model calibrated from the two H200 measurements
+(autoscale/simulator/calibration/: transformers, and bench/autoscale/gpu_decode_curve.py's CUDA-graph step). The seed sweep reruns the whole comparison per seed.
 """
 from __future__ import annotations
 
@@ -52,9 +52,11 @@ def main() -> int:
     rc = cli_main(["simulate", "--reuse-sweep", *rest])
     cli_main(["simulate", "--no-batch", "--no-plots", "--no-progress",
               "--out", str(ROOT / "bench" / "results" / "autoscale-simulation-nobatch.json")])
-    cli_main(["simulate", "--no-plots", "--no-progress", "--policies", "ours,disaggregated",
-              "--calibrate", str(ROOT / "autoscale" / "simulator" / "calibration" / "h200-8b-transformers.jsonl"),
-              "--out", str(ROOT / "bench" / "results" / "autoscale-simulation-calibrated-h200.json")])
+    calibration = ROOT / "autoscale" / "simulator" / "calibration"
+    for name, out in (("h200-8b-transformers.jsonl", "autoscale-simulation-calibrated-h200.json"),
+                      ("h200-8b-plain-pytorch-graph.jsonl", "autoscale-simulation-calibrated-h200-graph.json")):
+        cli_main(["simulate", "--no-plots", "--no-progress", "--policies", "ours,disaggregated",
+                  "--calibrate", str(calibration / name), "--out", str(ROOT / "bench" / "results" / out)])
     if args.seeds:
         seed_sweep(args.seeds, ROOT / "bench" / "results" / "autoscale-seeds.json")
     return rc

@@ -70,7 +70,7 @@ class BlockPool:
         self.ref_count[block] += 1
 
     def set_hash(self, block: int, h: int) -> bool:
-        """Index a just-filled prompt block under its chain hash; False if that prefix is already cached."""
+        """Index a just-filled block under its chain hash; False if that prefix is already cached."""
         if h in self.cached or self.block_hash[block] is not None:
             return False
         self.block_hash[block] = h

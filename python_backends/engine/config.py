@@ -14,25 +14,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import create_model
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
 
 @dataclass
 class EngineConfig:
     weights_dir: str
     adapters_dir: str = ""
     dtype: str = "bf16"                 # bf16 (fast on these CPUs) or fp32 (exactness tests)
+    device: str = "cpu"                 # cpu | cuda | cuda:N | auto
     max_context: int = 2048             # prompt + output tokens per sequence
     block_size: int = 16                # tokens per KV block; must match the router's hashing
-    num_kv_blocks: int = 4096           # blocks in the one KV pool (block 0 is a reserved zero block)
+    num_kv_blocks: int = 4096           # blocks in the one KV pool (block 0 is reserved); 0 = from free memory
+    kv_memory_fraction: float = 0.85    # share of free device memory (RAM on CPU) the pool takes when sized
     max_num_batched_tokens: int = 256   # per-step token budget: decodes + prefill chunks
     max_num_seqs: int = 64              # running sequences at most
     output_estimate: int = 64           # tokens of output reserved per admitted sequence (capped by max_tokens)
     max_loras: int = 8                  # adapters resident at once (LRU beyond)
     max_lora_rank: int = 16
     threads: int = 2                    # torch intra-op threads
-    fp32_matmul_min_tokens: int = 16    # bf16 mode: steps with this many rows use fp32 weight copies (0 = never)
+    fp32_matmul_min_tokens: int = -1    # bf16 on CPU: steps of >= this many rows use fp32 weight copies;
+                                        # 0 = never, -1 = auto (16 unless the CPU has bf16 units)
+    cuda_graphs: int = 1                # CUDA: replay decode steps from graphs captured per batch bucket
     default_max_tokens: int = 64
     state_report_interval_s: float = 0.2
     state_full_snapshot_s: float = 10.0
@@ -72,13 +73,16 @@ def _coerce(type_name: Any, raw: Any) -> Any:
     return str(raw)
 
 
-class _EngineEnv(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="FLEET_ENGINE_", extra="ignore", frozen=True, env_ignore_empty=True)
-
-
 def engine_overrides() -> dict[str, Any]:
     """The FLEET_ENGINE_* variables that are set, typed from EngineConfig's fields (a bad value raises a
     pydantic ValidationError naming the field). Called once, at start, by the Triton shim."""
+    # Imported here: the engine itself must import on GPU images that carry torch but not the service stack.
+    from pydantic import create_model
+    from pydantic_settings import BaseSettings, SettingsConfigDict
+
+    class _EngineEnv(BaseSettings):
+        model_config = SettingsConfigDict(env_prefix="FLEET_ENGINE_", extra="ignore", frozen=True,
+                                          env_ignore_empty=True)
     hints = typing.get_type_hints(EngineConfig)
     fields: dict[str, Any] = {f.name: (hints[f.name] | None, None)
                               for f in dataclasses.fields(EngineConfig) if f.name != "extra"}

@@ -15,10 +15,12 @@ import torch
 from tokenizers import Tokenizer
 
 from python_backends.engine.config import EngineConfig
+from python_backends.engine.device import resolve_device
 from python_backends.engine.kv_cache_manager import KVCacheManager
 from python_backends.engine.lora import FUSED, LoraManager
 from python_backends.engine.metrics import EngineStats
-from python_backends.engine.model_runner import ModelRunner, SeqChunk
+from python_backends.engine.batch import SeqChunk
+from python_backends.engine.model_runner import ModelRunner, read_model_config
 from python_backends.engine.sampling import sample
 from python_backends.engine.scheduler import Scheduler
 from python_backends.engine.sequence import FinishReason, SamplingParams, Sequence, Status
@@ -41,13 +43,17 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, state_dict: dict[str, torch.Tensor] | None = None):
+        """state_dict: weights to use instead of weights_dir/model.safetensors (benchmarks on random weights;
+        weights_dir then needs only config.json)."""
         self.config = config
-        torch.set_num_threads(config.threads)
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.threads)
         weights = Path(config.weights_dir)
-        self.tokenizer = Tokenizer.from_file(str(weights / "tokenizer.json"))
-        import json
-        mcfg = json.loads((weights / "config.json").read_text())
+        tok = weights / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(tok)) if tok.exists() else None   # needed for stop strings only
+        mcfg = read_model_config(weights)
         hidden, inter = mcfg["hidden_size"], mcfg["intermediate_size"]
         hd = mcfg.get("head_dim") or hidden // mcfg["num_attention_heads"]
         q_out, kv_out = mcfg["num_attention_heads"] * hd, mcfg["num_key_value_heads"] * hd
@@ -56,10 +62,13 @@ class LLMEngine:
         assert set(dims) == set(FUSED)
         self.lora = LoraManager(config.adapters_dir, mcfg["num_hidden_layers"], dims,
                                 {"bf16": torch.bfloat16, "fp32": torch.float32}.get(config.dtype, torch.float32),
-                                config.max_loras, config.max_lora_rank) if config.adapters_dir else None
+                                config.max_loras, config.max_lora_rank, self.device) if config.adapters_dir else None
         self.runner = ModelRunner(weights, config.dtype, config.num_kv_blocks, config.block_size,
-                                  config.max_context, self.lora, config.fp32_matmul_min_tokens)
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size)
+                                  config.max_context, self.lora, config.fp32_matmul_min_tokens, self.device,
+                                  state_dict, config.kv_memory_fraction)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
+        if self.device.type == "cuda" and config.cuda_graphs and self.runner.paged:
+            self.runner.capture_graphs(config.max_num_seqs)
         self.scheduler = Scheduler(config, self.kv, self._acquire_lora, self._release_lora)
         self.stats = EngineStats()
         self.stop_checkers: dict[int, StopChecker] = {}
@@ -97,6 +106,8 @@ class LLMEngine:
             return "prompt does not fit the KV pool"
         if seq.lora_name and (self.lora is None or not self.lora.available(seq.lora_name)):
             return f"unknown adapter {seq.lora_name!r}"
+        if seq.params.stop and self.tokenizer is None:
+            return "stop strings need the model's tokenizer.json"
         return ""
 
     def abort(self, seq: Sequence, reason: FinishReason = FinishReason.CANCELLED) -> None:

@@ -1,13 +1,15 @@
 """Per-sequence KV block tables on top of the BlockPool, with prefix caching.
 
 Blocks are allocated lazily, as a sequence's tokens are scheduled (never max length up front). A sequence's
-full prompt blocks are hashed with the shared chain hash (common.hashing), so the engine and the routers agree
-on what a cached prefix is. On admission the longest cached prefix is reused (reference counted); at least
-one prompt token is always recomputed so the step has logits to sample the first output token from.
+full blocks - prompt and generated tokens alike, so a chat follow-up that resends the history hits the cache -
+are hashed with the shared chain hash (common.hashing) rooted at the sequence's LoRA adapter, so the engine and
+the routers agree on what a cached prefix is and adapter K/V never serve the base model. On admission the
+longest cached prefix is reused (reference counted); at least one token is always recomputed so the step has
+logits to sample the next token from.
 """
 from __future__ import annotations
 
-from common.hashing import prefix_block_hashes
+from common.hashing import extend_block_hashes
 from python_backends.engine.block_pool import BlockPool
 from python_backends.engine.sequence import Sequence
 
@@ -23,16 +25,17 @@ class KVCacheManager:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def _prompt_hashes(self, seq: Sequence) -> list[int]:
-        if not seq.block_hashes and self.enable_prefix_cache:
-            seq.block_hashes = prefix_block_hashes(seq.prompt_ids, self.block_size)
-        return seq.block_hashes
+    def _hashes(self, seq: Sequence, upto_blocks: int) -> list[int]:
+        """Chain hashes of the sequence's first `upto_blocks` full blocks (extended incrementally: tokens only
+        ever get appended, preemption keeps them)."""
+        if self.enable_prefix_cache and len(seq.block_hashes) < upto_blocks:
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.lora_name, upto_blocks)
+        return seq.block_hashes[:upto_blocks]
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks for the longest cached prefix of the prompt, leaving >= 1 token to compute."""
+        """Cached blocks for the longest cached prefix of the tokens, leaving >= 1 token to compute."""
         blocks: list[int] = []
-        limit = (seq.num_tokens - 1) // self.block_size
-        for h in self._prompt_hashes(seq)[:limit]:
+        for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
             block = self.pool.lookup(h)
             if block is None:
                 break
@@ -69,11 +72,13 @@ class KVCacheManager:
         return True
 
     def commit(self, seq: Sequence) -> None:
-        """After a step: index the prompt blocks that are now full and computed."""
+        """After a step: index the blocks (prompt or generated) that are now full and computed."""
         if not self.enable_prefix_cache:
             return
-        hashes = self._prompt_hashes(seq)
-        upto = min(seq.num_computed // self.block_size, len(hashes))
+        upto = seq.num_computed // self.block_size
+        if upto <= seq.num_hashed_blocks:
+            return
+        hashes = self._hashes(seq, upto)
         for i in range(seq.num_hashed_blocks, upto):
             self.pool.set_hash(seq.block_table[i], hashes[i])
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, upto)

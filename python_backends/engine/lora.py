@@ -37,7 +37,7 @@ class AdapterError(ValueError):
 
 class LoraManager:
     def __init__(self, adapters_dir: str, n_layers: int, dims: dict[str, tuple[int, list[int]]], dtype: torch.dtype,
-                 max_loras: int = 8, max_rank: int = 16):
+                 max_loras: int = 8, max_rank: int = 16, device: torch.device | str = "cpu"):
         """dims: fused name -> (in_features, [out_features of each sub-module])."""
         self.adapters_dir = Path(adapters_dir) if adapters_dir else None
         self.n_layers, self.dims, self.dtype = n_layers, dims, dtype
@@ -46,8 +46,8 @@ class LoraManager:
         self.B: dict[str, torch.Tensor] = {}
         for name, (fin, outs) in dims.items():
             r = max_rank * len(outs)
-            self.A[name] = torch.zeros(n_layers, max_loras, r, fin, dtype=dtype)
-            self.B[name] = torch.zeros(n_layers, max_loras, sum(outs), r, dtype=dtype)
+            self.A[name] = torch.zeros(n_layers, max_loras, r, fin, dtype=dtype, device=device)
+            self.B[name] = torch.zeros(n_layers, max_loras, sum(outs), r, dtype=dtype, device=device)
         self.slots: OrderedDict[str, int] = OrderedDict()   # name -> slot, LRU order (oldest first)
         self.pins: dict[str, int] = {}                         # name -> running sequences using it
         self.loads = 0

@@ -1,62 +1,55 @@
-"""Our own Llama forward in torch, reading attention K/V through block tables from one paged KV pool.
+"""Our own Llama forward in torch, on the CPU or a CUDA device, reading attention K/V from one paged KV pool.
 
 One step runs one flattened batch: all tokens of the step (decode tokens of running sequences, then prompt
-chunks) go through the dense layers together as a [T, hidden] matrix; only attention is grouped: every
-decode row attends to its own gathered K/V in one batched SDPA call with a padding mask, and each prompt
-chunk attends causally to its sequence's cached prefix plus itself. New K/V are written into the pool at
-the slots the block tables name before attention reads them, so a chunk sees its own keys.
+chunks) go through the dense layers together as a [T, hidden] matrix. New K/V are written into the pool at the
+slots the block tables name before attention reads them, so a chunk sees its own keys. Attention:
+- CUDA: one paged-attention Triton kernel per layer for every token of the step (paged_attention.py), reading
+  blocks in place; decode-only steps replay a CUDA graph captured per batch-size bucket (cuda_graphs.py).
+- CPU: decode rows attend to their blocks gathered whole (one index_select per layer, a memcpy of contiguous
+  block rows) in one batched matmul pair; all prefill chunks of the step go through ONE SDPA call over their
+  gathered blocks with a block-diagonal causal mask.
 
-The pool is `[layers, kv_heads, slots, head_dim]` for K and for V (head-major), slots = blocks * block_size:
-gathering a sequence's blocks then yields `[kv_heads, tokens, head_dim]` contiguous, which batched matmuls read
-as is (a slot-major layout costs a transposing copy per layer that is as large as the gather). Block 0 is a
-reserved zero block: padding in gathers points at it, so masked positions never read uninitialised memory
-(0 * NaN would poison softmax output). The pool is allocated with torch.empty so untouched pages never
-become resident: RSS follows the blocks actually used.
+The step's metadata (ids, positions, slots, block tables, ...) is packed into one int64 vector and moved in one
+pinned non-blocking copy (device.Staging). The pool is `[layers, kv_heads, slots, head_dim]` for K and for V
+(head-major): a block of one head is a contiguous block_size*head_dim run. Block 0 is a reserved zero block
+(CPU gathers pad with it, so masked positions never read uninitialised memory: 0 * NaN would poison softmax);
+one extra block past the managed ones is the scratch block that padded CUDA-graph rows write to.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import logging
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from python_backends.engine import paged_attention
+from python_backends.engine.batch import ForwardBatch, SeqChunk
+from python_backends.engine.device import Staging, fp32_matmul_rows, kv_blocks_for_memory
 from python_backends.engine.lora import LoraManager
+from python_backends.engine.rope import rope_tables
 
+log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
-@dataclass
-class SeqChunk:
-    """One sequence's share of a step: `token_ids` at positions start..start+len-1."""
-    token_ids: list[int]
-    start: int
-    block_table: list[int]
-    need_logits: bool
-    lora_slot: int = -1          # -1 = base model
-
-
-@dataclass
-class ForwardBatch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    n_decode: int
-    decode_gather: torch.Tensor | None
-    decode_mask: torch.Tensor | None
-    prefills: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
-    logits_rows: torch.Tensor | None = None
-    lora_rows: torch.Tensor | None = None
+def read_model_config(weights_dir: Path) -> dict:
+    return json.loads((weights_dir / "config.json").read_text())
 
 
 class ModelRunner:
-    """Loads HF Llama safetensors and runs paged forwards; owns the KV pool tensors."""
+    """Loads HF Llama safetensors onto the device and runs paged forwards; owns the KV pool tensors."""
 
     def __init__(self, weights_dir: Path, dtype: str, num_blocks: int, block_size: int, max_context: int,
-                 lora: LoraManager | None = None, fp32_matmul_min_tokens: int = 16):
-        cfg = json.loads((weights_dir / "config.json").read_text())
+                 lora: LoraManager | None = None, fp32_matmul_min_tokens: int = -1,
+                 device: torch.device | str = "cpu", state_dict: dict[str, torch.Tensor] | None = None,
+                 kv_memory_fraction: float = 0.85):
+        """num_blocks 0 = as many as kv_memory_fraction of the free memory holds; state_dict replaces
+        model.safetensors (benchmarks on random weights)."""
+        cfg = read_model_config(weights_dir)
+        self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.n_layers = cfg["num_hidden_layers"]
         self.n_heads = cfg["num_attention_heads"]
@@ -66,8 +59,7 @@ class ModelRunner:
         self.eps = cfg["rms_norm_eps"]
         self.vocab = cfg["vocab_size"]
         self.block_size = block_size
-        self.num_blocks = num_blocks
-        theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta", 10000.0)
+        self.max_blocks_per_seq = -(-max_context // block_size)
         eos = cfg.get("eos_token_id")
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         gen = weights_dir / "generation_config.json"
@@ -75,105 +67,166 @@ class ModelRunner:
             geos = json.loads(gen.read_text()).get("eos_token_id")
             self.eos_ids |= set(geos if isinstance(geos, list) else [geos] if geos is not None else [])
         self.lora = lora
-        self._load(weights_dir, cfg.get("tie_word_embeddings", False))
-        # These CPUs have no bf16 matmul units: oneDNN's bf16 GEMM runs at about half the fp32 rate once a step
-        # has many rows (prefill chunks), while for a few rows (decode) bf16 wins by reading half the bytes.
-        # So bf16 mode keeps fp32 copies of the weights (the values are the same: upcasting is exact) and uses
-        # them for steps of >= fp32_matmul_min_tokens rows; activations, KV cache and outputs stay bf16.
-        self.min_rows_fp32 = fp32_matmul_min_tokens if self.dtype == torch.bfloat16 and fp32_matmul_min_tokens else 0
+        self._load(state_dict if state_dict is not None else load_file(str(weights_dir / "model.safetensors")),
+                   cfg.get("tie_word_embeddings", False))
+        # CPUs without bf16 units run oneDNN's bf16 GEMM at about half the fp32 rate once a step has many rows,
+        # while for a few rows (decode) bf16 wins by reading half the bytes: there, bf16 mode keeps fp32 weight
+        # copies (upcasting is exact) for steps of >= min_rows_fp32 rows. CPUs with AVX512-BF16/AMX skip it.
+        self.min_rows_fp32 = fp32_matmul_rows(fp32_matmul_min_tokens, self.dtype, self.device)
         self.w32: dict[int, torch.Tensor] = {}
         if self.min_rows_fp32:
             for L in self.layers:
                 for key in ("qkv", "o", "gate_up", "down"):
                     self.w32[id(L[key])] = L[key].float()
             self.w32[id(self.lm_head)] = self.lm_head.float()
-        # RoPE tables computed in fp32 and cast, as transformers does, so fp32 runs match it bit for bit-ish.
-        inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim))
-        t = torch.arange(max_context + block_size, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        slots = num_blocks * block_size
-        self.k_cache = torch.empty(self.n_layers, self.n_kv, slots, self.head_dim, dtype=self.dtype)
-        self.v_cache = torch.empty(self.n_layers, self.n_kv, slots, self.head_dim, dtype=self.dtype)
-        self.k_cache[:, :, :block_size].zero_()
-        self.v_cache[:, :, :block_size].zero_()
+        # The pool comes last: sized from what is free once weights (and fp32 copies) are resident.
+        self.num_blocks = num_blocks or kv_blocks_for_memory(kv_memory_fraction, self.kv_bytes_per_block(), self.device)
+        self.cos, self.sin = rope_tables(cfg, self.head_dim, max_context + block_size, self.dtype, self.device)
+        num_blocks = self.num_blocks
+        slots = (num_blocks + 1) * block_size             # + the scratch block for padded graph rows
+        self.scratch_block = num_blocks
+        self.k_cache = torch.empty(self.n_layers, self.n_kv, slots, self.head_dim, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.empty_like(self.k_cache)
+        for c in (self.k_cache, self.v_cache):
+            c[:, :, :block_size].zero_()
+            c[:, :, num_blocks * block_size:].zero_()
+        self.paged = self.device.type == "cuda" and paged_attention.available()
+        self.staging = Staging(self.device)
+        self.graphs = None                                # cuda_graphs.DecodeGraphs, set by capture_graphs
+        self.graph_error = ""
 
-    def _load(self, weights_dir: Path, tied: bool) -> None:
-        w = load_file(str(weights_dir / "model.safetensors"))
-        w = {k: v.to(self.dtype) for k, v in w.items()}
-        self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if tied or "lm_head.weight" not in w else w["lm_head.weight"]
-        self.final_norm = w["model.norm.weight"]
+    def _load(self, w: dict[str, torch.Tensor], tied: bool) -> None:
+        def get(name: str) -> torch.Tensor:
+            return w[name].to(device=self.device, dtype=self.dtype)
+        self.embed = get("model.embed_tokens.weight")
+        self.lm_head = self.embed if tied or "lm_head.weight" not in w else get("lm_head.weight")
+        self.final_norm = get("model.norm.weight")
         self.layers = []
         for i in range(self.n_layers):
             p = f"model.layers.{i}."
             self.layers.append({
-                "in_norm": w[p + "input_layernorm.weight"],
-                "post_norm": w[p + "post_attention_layernorm.weight"],
+                "in_norm": get(p + "input_layernorm.weight"),
+                "post_norm": get(p + "post_attention_layernorm.weight"),
                 # Fused projections: one matmul instead of three (two), fewer dispatches per layer.
-                "qkv": torch.cat([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
-                                  w[p + "self_attn.v_proj.weight"]]).contiguous(),
-                "o": w[p + "self_attn.o_proj.weight"],
-                "gate_up": torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous(),
-                "down": w[p + "mlp.down_proj.weight"],
+                "qkv": torch.cat([get(p + "self_attn.q_proj.weight"), get(p + "self_attn.k_proj.weight"),
+                                  get(p + "self_attn.v_proj.weight")]).contiguous(),
+                "o": get(p + "self_attn.o_proj.weight"),
+                "gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]).contiguous(),
+                "down": get(p + "mlp.down_proj.weight"),
             })
+
+    def kv_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.n_layers * self.n_kv * self.block_size * self.head_dim * elem
+
+    def capture_graphs(self, max_batch: int) -> None:
+        """CUDA only: capture decode steps for batch-size buckets up to max_batch (cuda_graphs.py)."""
+        from python_backends.engine.cuda_graphs import DecodeGraphs
+        try:
+            self.graphs = DecodeGraphs(self, max_batch)
+        except Exception as exc:          # e.g. out of memory while capturing: serve eagerly, say why
+            log.exception("CUDA graph capture failed; decode steps run eagerly")
+            self.graphs, self.graph_error = None, repr(exc)
 
     # ------------------------------------------------------------------ batch preparation
     def prepare(self, chunks: list[SeqChunk]) -> ForwardBatch:
-        """Flatten a step's chunks: decode chunks (one token, start > 0) must come first."""
+        """Flatten a step's chunks (decode chunks - one token, start > 0 - first) and move the metadata."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         lora_rows: list[int] = []
         logits_rows: list[int] = []
+        tok_seq: list[int] = []
         n_decode = 0
-        decode_lens: list[int] = []
-        decode_tables: list[list[int]] = []
-        prefills = []
-        for c in chunks:
+        for r, c in enumerate(chunks):
             n = len(c.token_ids)
             t0 = len(ids)
+            if n == 1:                                   # decode rows: the common case, kept cheap
+                p = c.start
+                ids.append(c.token_ids[0])
+                pos.append(p)
+                slots.append(c.block_table[p // bs] * bs + p % bs)
+                lora_rows.append(c.lora_slot)
+                tok_seq.append(r)
+                if c.need_logits:
+                    logits_rows.append(t0)
+                if p > 0 and n_decode == t0:
+                    n_decode += 1
+                continue
             ids.extend(c.token_ids)
             positions = range(c.start, c.start + n)
             pos.extend(positions)
-            slots.extend(c.block_table[p // bs] * bs + p % bs for p in positions)
+            table = c.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in positions)
             lora_rows.extend([c.lora_slot] * n)
+            tok_seq.extend([r] * n)
             if c.need_logits:
                 logits_rows.append(t0 + n - 1)
-            ctx = c.start + n
-            if n == 1 and c.start > 0 and not prefills:
-                n_decode += 1
-                decode_lens.append(ctx)
-                decode_tables.append(c.block_table)
-            elif c.start == 0:
-                prefills.append((t0, n, ctx, None, None))   # fresh prompt: plain causal attention
-            else:
-                gather = self._blocks(c.block_table, ctx)
-                q_pos = torch.arange(c.start, ctx).unsqueeze(1)
-                # [n, blocks*bs]: causal with an offset; the tail of the last block is masked out too
-                mask = torch.arange(gather.shape[0] * bs).unsqueeze(0) <= q_pos
-                prefills.append((t0, n, ctx, gather, mask))
-        decode_gather = decode_mask = None
-        if n_decode:
-            # Gather whole blocks (contiguous block_size*kv*d rows), not single slots: far fewer, larger copies.
-            nbmax = -(-max(decode_lens) // bs)
-            decode_gather = torch.zeros(n_decode, nbmax, dtype=torch.long)
-            for r, (table, ln) in enumerate(zip(decode_tables, decode_lens)):
-                nb = -(-ln // bs)
-                decode_gather[r, :nb] = torch.tensor(table[:nb], dtype=torch.long)
-            lens = torch.tensor(decode_lens)
-            decode_mask = (torch.arange(nbmax * bs).unsqueeze(0) < lens.unsqueeze(1)).view(1, n_decode, 1, -1)
-        lr = torch.tensor(lora_rows, dtype=torch.long)
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long), positions=torch.tensor(pos, dtype=torch.long),
-            slot_mapping=torch.tensor(slots, dtype=torch.long), n_decode=n_decode, decode_gather=decode_gather,
-            decode_mask=decode_mask, prefills=prefills, logits_rows=torch.tensor(logits_rows, dtype=torch.long),
-            lora_rows=lr if bool((lr >= 0).any()) else None)
+        T, S = len(ids), len(chunks)
+        use_lora = any(x >= 0 for x in lora_rows)
+        # Every segment starts 16-byte aligned (even int64 count): kernels then see one pointer alignment and
+        # Triton compiles them once, not once per alignment pattern of a step.
+        pad_t, pad_l = [0] * (T % 2), [0] * (len(logits_rows) % 2)
+        packed = ids + pad_t + pos + pad_t + slots + pad_t + logits_rows + pad_l
+        if use_lora:
+            packed += lora_rows + pad_t
+        width = 0
+        if self.paged:
+            width = max(-(-(c.start + len(c.token_ids)) // bs) for c in chunks)
+            packed += tok_seq + pad_t
+            for c in chunks:
+                row = c.block_table[:width]
+                packed += row
+                if len(row) < width:
+                    packed += [0] * (width - len(row))
+        dev = self.staging.to_device(packed)
+        L = len(logits_rows)
+        o = 0
 
-    def _blocks(self, table: list[int], length: int) -> torch.Tensor:
-        return torch.tensor(table[:-(-length // self.block_size)], dtype=torch.long)
+        def take(n: int) -> torch.Tensor:
+            nonlocal o
+            o += n + n % 2
+            return dev[o - n - n % 2:o - n % 2]
+        batch = ForwardBatch(input_ids=take(T), positions=take(T), slot_mapping=take(T), logits_rows=take(L),
+                             n_decode=n_decode, lora_rows=take(T) if use_lora else None)
+        if self.paged:
+            batch.tok_seq = take(T)
+            batch.block_tables = take(S * width).view(S, width)
+        else:
+            self._prepare_cpu_attention(batch, chunks, n_decode)
+        return batch
+
+    def _prepare_cpu_attention(self, batch: ForwardBatch, chunks: list[SeqChunk], n_decode: int) -> None:
+        bs = self.block_size
+        if n_decode:
+            lens = [c.start + 1 for c in chunks[:n_decode]]
+            nbmax = -(-max(lens) // bs)
+            # Gather whole blocks (contiguous block_size*d rows), not single slots: far fewer, larger copies.
+            rows = [c.block_table[:-(-ln // bs)] for c, ln in zip(chunks, lens)]
+            batch.decode_gather = torch.tensor([r + [0] * (nbmax - len(r)) for r in rows], dtype=torch.long)
+            ln = torch.tensor(lens)
+            batch.decode_mask = (torch.arange(nbmax * bs).unsqueeze(0) < ln.unsqueeze(1)).view(1, n_decode, 1, -1)
+        if len(chunks) > n_decode:
+            # One SDPA call for all prefill chunks: keys = each chunk's blocks in turn; a query token sees the
+            # keys of its own chunk's region up to its own position (block-diagonal, causal with offsets).
+            blocks: list[int] = []
+            key_owner: list[int] = []
+            key_pos: list[int] = []
+            q_owner: list[int] = []
+            q_pos: list[int] = []
+            for r, c in enumerate(chunks[n_decode:]):
+                ctx = c.start + len(c.token_ids)
+                nb = -(-ctx // bs)
+                blocks += c.block_table[:nb]
+                key_owner += [r] * (nb * bs)
+                key_pos += range(nb * bs)
+                q_owner += [r] * len(c.token_ids)
+                q_pos += range(c.start, ctx)
+            qo, qp = torch.tensor(q_owner), torch.tensor(q_pos)
+            ko, kp = torch.tensor(key_owner), torch.tensor(key_pos)
+            batch.prefill_blocks = torch.tensor(blocks, dtype=torch.long)
+            batch.prefill_mask = (qo.unsqueeze(1) == ko.unsqueeze(0)) & (kp.unsqueeze(0) <= qp.unsqueeze(1))
 
     # ------------------------------------------------------------------ forward
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -197,7 +250,7 @@ class ModelRunner:
             y = self.lora.apply(y, x, layer, name, batch.lora_rows)
         return y
 
-    def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _decode_attention_cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """One query per row: plain batched matmuls. CPU flash attention is built for long queries and is ~10x
         slower here. q [B, H, D]; k, v [KV, B, L, D]; mask [1, B, 1, L] (True = attend)."""
         B, H, D = q.shape
@@ -208,45 +261,55 @@ class ModelRunner:
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         return torch.matmul(probs, v).transpose(0, 1).reshape(B, H * D)
 
+    def _attention(self, li: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T = q.shape[0]
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        kc, vc = self.k_cache[li], self.v_cache[li]
+        if self.paged:
+            return paged_attention.paged_attention(q, kc, vc, batch.block_tables, batch.tok_seq, batch.positions,
+                                                   self.block_size).view(T, H * D)
+        # [kv, blocks, block_size*d] views: index_select copies whole block rows (memcpy); advanced indexing is
+        # ~30x slower on CPU.
+        kb, vb = kc.view(KV, -1, self.block_size * D), vc.view(KV, -1, self.block_size * D)
+        outs = []
+        nd = batch.n_decode
+        if nd:
+            g = batch.decode_gather.view(-1)
+            kd = kb.index_select(1, g).view(KV, nd, -1, D)       # [KV, Bd, L, D], contiguous
+            vd = vb.index_select(1, g).view(KV, nd, -1, D)
+            outs.append(self._decode_attention_cpu(q[:nd], kd, vd, batch.decode_mask))
+        if T > nd:
+            qp = q[nd:].transpose(0, 1).unsqueeze(0)                    # [1, H, n, D]
+            kp = kb.index_select(1, batch.prefill_blocks).view(1, KV, -1, D)
+            vp = vb.index_select(1, batch.prefill_blocks).view(1, KV, -1, D)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.prefill_mask, enable_gqa=True)
+            outs.append(op[0].transpose(0, 1).reshape(T - nd, H * D))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one step; returns fp32 logits for batch.logits_rows, in order."""
+        """Run one step; returns fp32 logits for batch.logits_rows, in order (a CUDA graph when one fits)."""
+        if self.graphs is not None and batch.decode_only and batch.lora_rows is None:
+            out = self.graphs.run(batch)
+            if out is not None:
+                return out
+        return self.forward_eager(batch)
+
+    def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         T = batch.input_ids.shape[0]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         x = F.embedding(batch.input_ids, self.embed)
         cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
         sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
-        nd = batch.n_decode
         for li, L in enumerate(self.layers):
             h = self._rms(x, L["in_norm"])
             qkv = self._lin(h, L["qkv"], li, "qkv", batch)
             qk = self._rope(qkv[:, :(H + KV) * D].view(T, H + KV, D), cos, sin)   # q and k in one pass
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + KV) * D:].view(T, KV, D)
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            kc.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-            vc.index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
-            # [kv, blocks, block_size*d] views: index_select copies whole block rows (memcpy); advanced
-            # indexing is ~30x slower on CPU.
-            kb, vb = kc.view(KV, self.num_blocks, -1), vc.view(KV, self.num_blocks, -1)
-            outs = []
-            if nd:
-                g = batch.decode_gather
-                kd = kb.index_select(1, g.view(-1)).view(KV, nd, -1, D)   # [KV, Bd, L, D], contiguous
-                vd = vb.index_select(1, g.view(-1)).view(KV, nd, -1, D)
-                outs.append(self._decode_attention(q[:nd], kd, vd, batch.decode_mask))
-            for t0, n, ctx, gather, mask in batch.prefills:
-                qp = q[t0:t0 + n].transpose(0, 1).unsqueeze(0)        # [1, H, n, D]
-                if gather is None:
-                    kp = k[t0:t0 + n].transpose(0, 1).unsqueeze(0)
-                    vp = v[t0:t0 + n].transpose(0, 1).unsqueeze(0)
-                    op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
-                else:
-                    kp = kb.index_select(1, gather).view(1, KV, -1, D)
-                    vp = vb.index_select(1, gather).view(1, KV, -1, D)
-                    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, enable_gqa=True)
-                outs.append(op[0].transpose(0, 1).reshape(n, H * D))
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            self.k_cache[li].index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+            self.v_cache[li].index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
+            attn = self._attention(li, q, batch)
             x = x + self._lin(attn, L["o"], li, "o", batch)
             h = self._rms(x, L["post_norm"])
             gu = self._lin(h, L["gate_up"], li, "gate_up", batch)

@@ -1,34 +1,57 @@
-"""Token sampling for one step: greedy rows in one argmax, sampled rows with their own seeded generator.
+"""Token sampling for one step, batched on the logits' device with one host sync.
 
-Temperature, top-k and top-p (nucleus) follow the usual order: scale by temperature, keep the top-k logits,
-then the smallest set of tokens whose probability mass reaches top_p. A per-sequence torch.Generator seeded
-from the request's seed makes sampling reproducible: same seed, same prompt, same output.
+Every row is handled in the same few tensor ops: temperature scaling, top-k and top-p (nucleus) masks on the
+logits sorted once per step, then the exponential race (argmax of p / q with q ~ Exp(1), equivalent to drawing
+from p) - the way vLLM samples without a per-row multinomial. Greedy rows take the argmax. Rows with a request
+seed draw their q from their own torch.Generator on the device (created on first use, kept on the sequence, so
+the same seed and prompt give the same output whatever else shares the batch, also after preemption); the
+other rows share one draw. The only host sync is the final `.tolist()`.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 from python_backends.engine.sequence import Sequence
 
 
+def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
+    if seq.generator is None or seq.generator.device != device:
+        gen = torch.Generator(device=device)
+        seed = seq.params.seed if seq.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        gen.manual_seed(seed)
+        seq.generator = gen
+    return seq.generator
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits: fp32 [len(seqs), vocab]; returns one token id per sequence."""
-    out = logits.argmax(dim=-1).tolist()
-    for row, seq in enumerate(seqs):
-        p = seq.params
-        if p.greedy:
-            continue
-        x = logits[row] / p.temperature
-        if p.top_k and p.top_k > 0 and p.top_k < x.shape[-1]:
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if 0.0 < p.top_p < 1.0:
-            sorted_x, order = torch.sort(x, descending=True)
-            probs = torch.softmax(sorted_x, dim=-1)
-            # drop tokens once the mass *before* them already reaches top_p (the first token always stays)
-            drop = (probs.cumsum(-1) - probs) >= p.top_p
-            sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-            x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
-        probs = torch.softmax(x, dim=-1)
-        out[row] = int(torch.multinomial(probs, 1, generator=seq.generator).item())
-    return out
+    """logits: fp32 [len(seqs), vocab] on any device; returns one token id per sequence."""
+    greedy_ids = logits.argmax(dim=-1)
+    random_rows = [r for r, s in enumerate(seqs) if not s.params.greedy]
+    if not random_rows:
+        return greedy_ids.tolist()
+    dev = logits.device
+    sub = [seqs[r] for r in random_rows]
+    rows = torch.tensor(random_rows, device=dev)
+    x = logits.index_select(0, rows)
+    n, vocab = x.shape
+    params = torch.tensor([[s.params.temperature, s.params.top_k if 0 < s.params.top_k < vocab else vocab,
+                            s.params.top_p if 0.0 < s.params.top_p < 1.0 else 1.0] for s in sub],
+                          dtype=torch.float32).to(dev, non_blocking=True)
+    x = x / params[:, 0:1]
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    rank = torch.arange(vocab, device=dev).unsqueeze(0)
+    drop = rank >= params[:, 1:2]                                    # top-k
+    probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+    # top-p: drop a token once the mass *before* it already reaches top_p (the first token always stays)
+    drop |= (probs.cumsum(-1) - probs) >= params[:, 2:3]
+    probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+    q = torch.empty_like(probs).exponential_()
+    for i, s in enumerate(sub):
+        if s.params.seed is not None:
+            q[i].exponential_(generator=_generator(s, dev))
+    choice = (probs / q).argmax(dim=-1, keepdim=True)
+    picked = order.gather(1, choice).squeeze(1)
+    out = greedy_ids.index_copy(0, rows, picked)
+    return out.tolist()

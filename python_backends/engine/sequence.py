@@ -59,6 +59,7 @@ class Sequence:
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
+        self.num_prompt = len(self.prompt_ids)          # the prompt never changes: read on every step
         self.token_ids = list(prompt_ids)
         self.params = params
         self.priority = int(priority)
@@ -70,7 +71,7 @@ class Sequence:
         self.num_computed = 0            # tokens with K/V in the pool
         self.num_cached_prompt = 0       # prompt tokens served from the prefix cache (first admission)
         self.counted_cache = False
-        self.block_hashes: list[int] = []   # chain hashes of full prompt blocks (computed once)
+        self.block_hashes: list[int] = []   # chain hashes of full blocks (extended as they fill)
         self.num_hashed_blocks = 0       # leading blocks of block_table registered in the prefix cache
         self.finish_reason: FinishReason | None = None
         self.error = ""                  # why the request was rejected (finish_reason error)
@@ -80,17 +81,9 @@ class Sequence:
         self.admitted_at: float | None = None
         self.preemptions = 0
         self.num_emitted = 0             # output tokens already handed to the caller
-        self.generator: torch.Generator | None = None
-        if not params.greedy:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(
-                __import__("os").urandom(8), "little") & ((1 << 63) - 1))
+        self.generator: torch.Generator | None = None   # seeded requests: made on the device by sampling.py
 
     # ------------------------------------------------------------------ views
-    @property
-    def num_prompt(self) -> int:
-        return len(self.prompt_ids)
-
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

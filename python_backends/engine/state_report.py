@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.replica_report import ReplicaReport
-from common.report_channel import post_report
+from common.report_channel import post_report, replica_key
 from common.settings import load_from_env
 
 log = logging.getLogger(__name__)
@@ -36,11 +36,13 @@ class ReplicaSettings(BaseSettings):
     region: str = "local"
     router_urls: str = ""  # comma separated base URLs of the routers' internal listeners
     report_key: str = ""  # this replica's report signing key (common/report_channel.py)
+    report_secret: str = ""  # where no per-replica key is handed out (a Kubernetes Secret): derive it from this
 
     def identity(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "model": self.model, "version": self.version, "region": self.region,
                 "routers": [u.strip().rstrip("/") for u in self.router_urls.split(",") if u.strip()],
-                "report_key": self.report_key}
+                "report_key": self.report_key or (replica_key(self.report_secret.encode(), self.replica_id)
+                                                  if self.report_secret else "")}
 
 
 def identity_from_env() -> dict[str, Any]:

@@ -106,3 +106,25 @@ def test_calibration_from_the_engine_bench_json(tmp_path: Path) -> None:
     path.write_text(json.dumps({"systems": {}}))
     with pytest.raises(ValueError, match="decode step times"):
         load_calibration(path)
+
+
+def test_gpu_decode_curve_script_writes_a_calibration_file(tmp_path: Path) -> None:
+    """The GPU measurement script runs on a CPU with a tiny shape (smoke) and its output calibrates."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "curve.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "autoscale" / "gpu_decode_curve.py"), "--device", "cpu",
+                    "--shape", "tiny", "--batches", "1", "2", "--reps", "2", "--ctx", "64", "--prompt", "32",
+                    "--out", str(out)], check=True, capture_output=True, timeout=120)
+    cal = load_calibration(out)
+    assert len(cal.points) == 2 and cal.prefill_tokens_per_s > 0
+    assert all(step > 0 for _, step in cal.points)
+
+
+def test_the_measured_h200_graph_step_matches_the_shape_derived_fixed_step() -> None:
+    cal = load_calibration(ROOT / "autoscale" / "simulator" / "calibration" / "h200-8b-plain-pytorch-graph.jsonl")
+    s0, _ = cal.fit()
+    small = next(m for m in SimSettings().models if m.name == "small-8b-fp16")
+    derived = small.step_curve(40.0)[0] / small.compute_factor
+    assert s0 == pytest.approx(derived, rel=0.1)  # weights / HBM bandwidth + overhead: 7.0 ms vs 6.6 ms measured

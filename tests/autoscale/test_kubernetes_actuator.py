@@ -33,6 +33,7 @@ class ContractServer:
                 length = int(self.headers.get("content-length") or 0)
                 raw = self.rfile.read(length) if length else b""
                 outer.received.append({"method": self.command, "path": self.path.split("?")[0],
+                                       "query": self.path.split("?", 1)[1] if "?" in self.path else "",
                                        "content_type": self.headers.get("content-type", ""),
                                        "body": json.loads(raw) if raw else None})
                 index = len(outer.received) - 1
@@ -65,18 +66,20 @@ class ContractServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
-    def actuator(self) -> KubernetesActuator:
+    def actuator(self, db_url: str | None = None) -> KubernetesActuator:
         from kubernetes import client
 
         cfg = client.Configuration()
         cfg.host = self.url
-        return KubernetesActuator("llm", api_client=client.ApiClient(cfg))
+        return KubernetesActuator("llm", api_client=client.ApiClient(cfg), db_url=db_url)
 
     def verify(self) -> None:
         assert len(self.received) == len(self.interactions), self.received
         for got, contract in zip(self.received, self.interactions):
             want = contract["request"]
             assert (got["method"], got["path"]) == (want["method"], want["path"])
+            if "query" in want:
+                assert got["query"] == want["query"]
             if "content_type" in want:
                 assert got["content_type"].split(";")[0] == want["content_type"]
             if "body" in want:
@@ -103,13 +106,45 @@ def _assert_subset(want, got, path: str = "") -> None:
         assert got == want, f"{path}: {got!r} != {want!r}"
 
 
-def test_scale_reads_counts_and_patches_scale_subresource() -> None:
+def test_scale_reads_counts_registers_pods_measures_cold_start_and_patches_scale(sqlite_url) -> None:
+    from registry import queries
+    from registry.db import migrate, session_scope
+
+    migrate(sqlite_url)
+    with session_scope(sqlite_url) as s:  # a replica whose pod is gone must leave the registry
+        queries.upsert_replica(s, "llm-large-70b-fp8-v1-old", model=LARGE.model, version=LARGE.version,
+                               region=LARGE.region, grpc_url="10.8.1.1:8001", http_url="", state="serving", pid=0)
     with ContractServer("deployment_scale.json") as server:
-        actuator = server.actuator()
+        actuator = server.actuator(sqlite_url)
         counts = actuator.counts(LARGE)
         assert (counts.serving, counts.starting, counts.draining) == (1, 1, 0)
         actuator.scale(LARGE, 5)
     server.verify()
+    with session_scope(sqlite_url) as s:
+        rows = {r.replica_id: (r.state, r.grpc_url) for r in queries.list_replicas(s, LARGE.model)}
+    assert rows == {"llm-large-70b-fp8-v1-7d9c8b6f5-abcde": ("serving", "10.8.3.17:8001"),
+                    "llm-large-70b-fp8-v1-7d9c8b6f5-fghij": ("starting", "10.8.5.4:8001")}
+    assert actuator.cold_start_s(LARGE) == 425.0  # Ready 10:07:05 - created 10:00:00
+
+
+def test_scale_creates_the_workload_when_it_does_not_exist() -> None:
+    with ContractServer("deployment_scale_missing.json") as server:
+        server.actuator().scale(LARGE, 3)
+    server.verify()
+
+
+def test_manifest_is_the_pool_template_and_valid_for_the_kubernetes_models() -> None:
+    from tests.deploy.k8s_schema import deserialize, unknown_fields
+
+    manifest = deployment_manifest(LARGE, "llm", replicas=2)
+    assert unknown_fields(manifest, "V1Deployment") == []
+    pod = deserialize(manifest).spec.template.spec
+    triton = next(c for c in pod.containers if c.name == "triton")
+    env = {e.name: e.value for e in triton.env}
+    assert env["FLEET_TENSOR_PARALLEL"] == "4" and triton.resources.limits["nvidia.com/gpu"] == "4"
+    assert triton.command[:3] == ["python3", "-m", "build_engines.launch"]
+    assert [c.name for c in pod.init_containers] == ["stage-weights"]
+    assert {c.name for c in pod.containers} == {"triton", "state"}
 
 
 def test_ensure_workload_creates_tp4_deployment_with_node_selector_and_gpus() -> None:
@@ -137,6 +172,6 @@ def test_manifest_shape() -> None:
     manifest = deployment_manifest(LARGE, "llm")
     pod = manifest["spec"]["template"]["spec"]
     assert pod["nodeSelector"]["fleet.ai/tp-group"] == "tp4"
-    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert "preStop" in pod["containers"][0]["lifecycle"]
     assert "replicas" not in manifest["spec"]

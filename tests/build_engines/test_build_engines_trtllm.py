@@ -63,7 +63,7 @@ def plan_for(ckpt: Path, tmp_path: Path, **kw) -> trtllm.TrtllmPlan:
 
 
 def test_large_model_fp8_tp4_plan_matches_documented_cli(llama70b_dir: Path, tmp_path: Path) -> None:
-    p = plan_for(llama70b_dir, tmp_path, dtype="fp8", max_context=8192)
+    p = plan_for(llama70b_dir, tmp_path, dtype="fp8", kv_cache_dtype="fp8", max_context=8192)
     quantize, engine = p.commands[0], p.commands[1]
     q = check_against_cli(quantize)
     assert Path(quantize[1]).name == "quantize.py"
@@ -75,6 +75,23 @@ def test_large_model_fp8_tp4_plan_matches_documented_cli(llama70b_dir: Path, tmp
     assert (b.max_batch_size, b.max_num_tokens, b.max_input_len, b.max_seq_len) == ("64", "8192", "8191", "8192")
     assert b.lora_plugin is None  # the large model carries no adapters
     assert b.workers == "4" and b.checkpoint_dir == q.output_dir
+
+
+def test_context_defaults_to_the_checkpoint_and_fp8_kv_cache_is_its_own_choice(llama70b_dir: Path,
+                                                                             llama8b_dir: Path, tmp_path: Path) -> None:
+    p = plan_for(llama70b_dir, tmp_path, dtype="fp8")  # no --max-context: the checkpoint's 131072
+    b = check_against_cli(p.commands[1])
+    assert (b.max_input_len, b.max_seq_len) == ("131071", "131072") and p.values["max_context"] == "131072"
+    q = check_against_cli(p.commands[0])
+    assert q.qformat == "fp8" and q.kv_cache_dtype is None  # fp8 weights do not force an fp8 KV cache
+    assert "KV cache float16" in trtllm.render(p.values, tmp_path / "r1").joinpath(
+        "tensorrt_llm", "config.pbtxt").read_text()
+    p16 = plan_for(llama8b_dir, tmp_path, kv_cache_dtype="fp8", max_context=4096)  # fp16 weights, fp8 KV
+    q16 = check_against_cli(p16.commands[0])
+    assert Path(p16.commands[0][1]).name == "quantize.py"
+    assert (q16.qformat, q16.kv_cache_dtype) == ("full_prec", "fp8")
+    assert check_against_cli(p16.commands[1]).use_fp8_context_fmha is None  # needs fp8 weights
+    assert int(check_against_cli(p16.commands[1]).tokens_per_block) == trtllm.TOKENS_PER_BLOCK
 
 
 def test_small_model_fp16_with_lora_plugin(llama8b_dir: Path, tmp_path: Path) -> None:
@@ -90,7 +107,7 @@ def test_small_model_fp16_with_lora_plugin(llama8b_dir: Path, tmp_path: Path) ->
 
 
 def test_rendered_gpu_repository_parses_and_holds_the_settings(llama70b_dir: Path, tmp_path: Path) -> None:
-    p = plan_for(llama70b_dir, tmp_path, dtype="fp8", kv_cache_free_gpu_mem_fraction=0.85)
+    p = plan_for(llama70b_dir, tmp_path, dtype="fp8", kv_cache_dtype="fp8", kv_cache_free_gpu_mem_fraction=0.85)
     repo = trtllm.render(p.values, tmp_path / "repo")
     cfgs = {step: parse_config(repo / step / "config.pbtxt") for step in trtllm.GPU_TEMPLATES}
     t = cfgs["tensorrt_llm"]
@@ -175,7 +192,8 @@ def test_trtllm_bad_inputs(llama70b_dir: Path, tmp_path: Path, be_settings: Sett
 
 def test_cli_dry_run(llama70b_dir: Path, be_settings: Settings) -> None:
     out = subprocess.run([sys.executable, "-m", "build_engines.cli", "--model", "llama-70b", "--version", "4",
-                          "--checkpoint", str(llama70b_dir), "--target", "trtllm", "--dtype", "fp8", "--dry-run"],
+                          "--checkpoint", str(llama70b_dir), "--target", "trtllm", "--dtype", "fp8",
+                          "--kv-cache-dtype", "fp8", "--dry-run"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--qformat fp8 --kv_cache_dtype fp8" in out.stdout and "--tp_size 4" in out.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from python_backends.engine.sequence import Priority, SamplingParams
 from tests.engine.conftest import ADAPTERS_DIR, CHAT, run_to_end
@@ -23,12 +24,26 @@ def test_seeded_sampling_is_reproducible(engine, tokenizer):
     assert r[a.seq_id]["ids"] != r[c.seq_id]["ids"]
 
 
-def test_top_k_one_is_greedy(engine, tokenizer):
+def test_top_k_narrows_the_engine_choices(make_engine, tokenizer):
+    """At temperature 5 (near uniform) every token of a top_k=2 request is one of the two best of the fp32 logits
+    at its position; the same request without top-k leaves that set (the restriction is real, not a tautology)."""
+    engine = make_engine()          # its own pool: the check below writes K/V into blocks of its choosing
     prompt = _p(tokenizer, "What is 2 plus 2?")
-    g = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
-    k = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.8, top_k=1, seed=3, ignore_eos=True))
+    k2 = engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=5.0, top_k=2, seed=3, ignore_eos=True))
+    free = engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=5.0, seed=3, ignore_eos=True))
     r = run_to_end(engine)
-    assert r[g.seq_id]["ids"] == r[k.seq_id]["ids"]
+
+    def outside_top2(ids: list[int]) -> int:
+        runner = engine.runner
+        from python_backends.engine.batch import SeqChunk
+        tokens = prompt + ids
+        table = list(range(1, 1 + -(-len(tokens) // 16)))
+        batch = runner.prepare([SeqChunk(tokens, 0, table, True)])
+        batch.logits_rows = torch.arange(len(prompt) - 1, len(tokens) - 1)
+        top2 = runner.forward(batch).topk(2, dim=-1).indices
+        return sum(t not in row for t, row in zip(ids, top2.tolist()))
+    assert outside_top2(r[k2.seq_id]["ids"]) == 0
+    assert outside_top2(r[free.seq_id]["ids"]) >= 3
 
 
 def test_stop_word_is_not_emitted(engine, tokenizer):

@@ -36,7 +36,9 @@ def http(sqlite_url, seeded):
     ({"model": "m", "prompt": "hi", "version": "9"}, 404, "no version '9'"),
     ({"model": "m", "prompt": "hi", "adapter": "nope"}, 404, "adapter: 'nope' does not exist"),
     ({"model": "m", "prompt": "hi", "max_tokens": -1}, 400, "max_tokens: must be a positive integer"),
-    ({"model": "m", "prompt": "x" * 10_000_000}, 413, "over the limit"),
+    ({"model": "m", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens: must be a positive integer, got 0"),
+    ({"model": "m", "prompt": "hi", "max_completion_tokens": 0}, 400, "max_tokens: must be a positive integer"),
+        ({"model": "m", "prompt": "x" * 10_000_000}, 413, "over the limit"),
 ])
 def test_bad_requests_get_clear_4xx(http, body, status, match):
     client, keys = http

@@ -1,8 +1,12 @@
 """GPU `postprocessing` (TensorRT-LLM ensemble): one tensorrt_llm response -> the ensemble's outside shape.
 
-With streaming and exclude_input_in_output each response holds the new tokens only. The final response is
-recognised by the end id (finish_reason `stop`) or, when not streaming, by the full length (`length`).
-Runs inside NVIDIA's Triton TRT-LLM container; not executed on the CPU machines.
+With streaming and exclude_input_in_output each response holds the new tokens only, and the end id is never
+among them. No response says it is the last: the stream's end is Triton's empty final response, which the
+router reads (router_service/upstream.py), so finish_reason is always "" here and the router counts tokens.
+usage = [0, cached prompt tokens, tokens in this response]; cached = kv_cache_reused_blocks x tokens_per_block
+(the engine's block size), present when the request asked for return_kv_cache_reuse_stats. The prompt length
+is the router's: an ensemble step may not mix inputs of the decoupled tensorrt_llm with other models' outputs.
+Each delta is decoded alone (no per-sequence state: this model never learns when a sequence ends).
 """
 import json
 
@@ -13,13 +17,15 @@ from common.text import load_tokenizer
 
 
 def _arr(request, name):
-    return pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
 
 
 class TritonPythonModel:
     def initialize(self, args):
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         self.tokenizer = load_tokenizer(params["tokenizer_dir"])
+        self.tokens_per_block = int(params["tokens_per_block"])
 
     def execute(self, requests):
         return [self._one(r) for r in requests]
@@ -27,18 +33,11 @@ class TritonPythonModel:
     def _one(self, request):
         seq_len = int(_arr(request, "sequence_length").reshape(-1)[0])
         ids = _arr(request, "output_ids").reshape(-1)[:seq_len].astype(np.int32)  # batch 1, beam 1
-        end_id = int(_arr(request, "end_id").reshape(-1)[0])
-        prompt = int(_arr(request, "input_lengths").reshape(-1)[0])
-        limit = int(_arr(request, "request_output_len").reshape(-1)[0])
-        finish = ""
-        if ids.size and end_id in ids.tolist():
-            ids, finish = ids[: ids.tolist().index(end_id)], "stop"
-        elif ids.size >= limit:
-            finish = "length"
+        reused = _arr(request, "kv_cache_reused_blocks")
+        cached = 0 if reused is None else int(reused.reshape(-1)[0]) * self.tokens_per_block
         text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True) if ids.size else ""
-        usage = np.array([prompt, 0, ids.size if finish else 0], dtype=np.int32)
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("text_output", np.array([text.encode()], dtype=object)),
             pb_utils.Tensor("output_ids_out", ids),
-            pb_utils.Tensor("finish_reason", np.array([finish.encode()], dtype=object)),
-            pb_utils.Tensor("usage", usage)])
+            pb_utils.Tensor("finish_reason", np.array([b""], dtype=object)),
+            pb_utils.Tensor("usage", np.array([0, max(cached, 0), ids.size], dtype=np.int32))])

@@ -2,8 +2,11 @@
 
 Runs inside NVIDIA's Triton TRT-LLM container with this project installed (docs/build_engines.md); not
 executed on the CPU machines. Shapes carry an explicit batch dim of 1 (this model does not batch; the
-tensorrt_llm model does). LoRA tensors come from `<adapters_dir>/<lora_name>/model.lora_{weights,config}.npy`
-(TensorRT-LLM's hf_lora_convert.py output) and are sent only for adapter requests.
+tensorrt_llm model does). An adapter request always carries `lora_task_id`;
+its weights (`<adapters_dir>/<lora_name>/model.lora_{weights,config}.npy`, written by build_engines' PEFT
+conversion in TensorRT-LLM's layout) are attached only when the router sets request parameter `lora_load`:
+TensorRT-LLM keeps them in its LoRA cache, so they cross into the backend once per replica (again only after
+the backend answered that the task is not cached).
 """
 import json
 from pathlib import Path
@@ -12,6 +15,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from common.hashing import lora_task_id
+from common.names import valid_adapter_name  # a name, never a path: no folder outside adapters_dir
 from common.text import load_tokenizer
 
 DEFAULT_MAX_TOKENS = 256
@@ -85,16 +89,18 @@ class TritonPythonModel:
             pb_utils.Tensor("runtime_top_p", one(float(_opt(request, "top_p", 1.0)), np.float32)),
             pb_utils.Tensor("random_seed_out", one(int(_opt(request, "random_seed", 0)), np.uint64)),
             pb_utils.Tensor("streaming", one(bool(_opt(request, "stream", True)), np.bool_)),
+            pb_utils.Tensor("return_kv_cache_reuse_stats", one(True, np.bool_)),
         ]
         raw = _opt(request, "lora_name", b"")
         adapter = raw.decode() if isinstance(raw, bytes) else str(raw)
         if adapter:
             folder = self.adapters / adapter
-            if not (folder / "model.lora_weights.npy").exists():
+            if not valid_adapter_name(adapter) or not (folder / "model.lora_weights.npy").exists():
                 raise ValueError(f"unknown adapter {adapter!r}")
-            weights = np.load(folder / "model.lora_weights.npy").astype(np.float16)
-            config = np.load(folder / "model.lora_config.npy").astype(np.int32)
-            tensors += [pb_utils.Tensor("lora_task_id", one(lora_task_id(adapter), np.uint64)),
-                        pb_utils.Tensor("lora_weights", weights.reshape((1,) + weights.shape[-2:])),
-                        pb_utils.Tensor("lora_config", config.reshape((1,) + config.shape[-2:]))]
+            tensors.append(pb_utils.Tensor("lora_task_id", one(lora_task_id(adapter), np.uint64)))
+            if json.loads(request.parameters() or "{}").get("lora_load"):
+                weights = np.load(folder / "model.lora_weights.npy").astype(np.float16)
+                config = np.load(folder / "model.lora_config.npy").astype(np.int32)
+                tensors += [pb_utils.Tensor("lora_weights", weights.reshape((1,) + weights.shape[-2:])),
+                            pb_utils.Tensor("lora_config", config.reshape((1,) + config.shape[-2:]))]
         return tensors

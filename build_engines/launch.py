@@ -1,0 +1,69 @@
+"""Start Triton for one model version on this node: plain `tritonserver` for one GPU, or one MPI rank per GPU
+for a tensor-parallel engine (TensorRT-LLM's leader mode, as tensorrtllm_backend's
+scripts/launch_triton_server.py --world_size N does).
+
+Rank 0 loads the whole repository and serves HTTP/gRPC/metrics; ranks 1..N-1 load only `tensorrt_llm` (their
+executor workers join rank 0's over MPI). Every rank gets its own Python-backend shared-memory prefix so the
+ranks' stubs do not collide. The container's entrypoint execs the planned command (PID 1 gets SIGTERM).
+
+    python -m build_engines.launch --world-size 4 --model-repo /data/fleet/engines/llama-70b/1/model_repository
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+ENGINE_MODEL = "tensorrt_llm"
+
+
+def plan_launch(world_size: int, model_repo: str, http_port: int = 8000, grpc_port: int = 8001,
+                metrics_port: int = 8002, tritonserver: str = "tritonserver",
+                exit_timeout_s: int = 60) -> list[str]:
+    """The exact command line for `world_size` GPUs."""
+    if world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {world_size}")
+
+    def rank(i: int) -> list[str]:
+        cmd = [tritonserver, f"--model-repository={model_repo}", f"--http-port={http_port}",
+               f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}", "--disable-auto-complete-config",
+               f"--backend-config=python,shm-region-prefix-name=prefix{i}_", f"--exit-timeout-secs={exit_timeout_s}"]
+        if i > 0:
+            cmd += ["--model-control-mode=explicit", f"--load-model={ENGINE_MODEL}"]
+        return cmd
+
+    if world_size == 1:
+        return rank(0)
+    cmd = ["mpirun", "--allow-run-as-root"]
+    for i in range(world_size):
+        cmd += ["-n", "1", *rank(i), ":"]
+    return cmd[:-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m build_engines.launch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world-size", type=int, default=1,
+                    help="GPUs = tensor-parallel ranks (the engine's --tensor-parallel; default 1)")
+    ap.add_argument("--model-repo", required=True, help="the version's Triton model repository")
+    ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--grpc-port", type=int, default=8001)
+    ap.add_argument("--metrics-port", type=int, default=8002)
+    ap.add_argument("--tritonserver", default="tritonserver", help="tritonserver binary (default on PATH)")
+    ap.add_argument("--print", action="store_true", help="print the command instead of running it")
+    args = ap.parse_args(argv)
+    try:
+        cmd = plan_launch(args.world_size, args.model_repo, args.http_port, args.grpc_port, args.metrics_port,
+                          args.tritonserver)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.print:
+        print(shlex.join(cmd))
+        return 0
+    print(f"launching {args.world_size} rank(s): {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    os.execvp(cmd[0], cmd)
+    return 127  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
