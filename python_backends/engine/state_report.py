@@ -35,14 +35,19 @@ class ReplicaSettings(BaseSettings):
     version: str = ""
     region: str = "local"
     router_urls: str = ""  # comma separated base URLs of the routers' internal listeners
+    router_admin_urls: str = ""  # the routers' admin API (callers' port), for a preStop drain; default router_urls
     report_key: str = ""  # this replica's report signing key (common/report_channel.py)
     report_secret: str = ""  # where no per-replica key is handed out (a Kubernetes Secret): derive it from this
 
     def identity(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "model": self.model, "version": self.version, "region": self.region,
-                "routers": [u.strip().rstrip("/") for u in self.router_urls.split(",") if u.strip()],
+                "routers": _urls(self.router_urls), "admin_routers": _urls(self.router_admin_urls or self.router_urls),
                 "report_key": self.report_key or (replica_key(self.report_secret.encode(), self.replica_id)
                                                   if self.report_secret else "")}
+
+
+def _urls(csv: str) -> list[str]:
+    return [u.strip().rstrip("/") for u in csv.split(",") if u.strip()]
 
 
 def identity_from_env() -> dict[str, Any]:
@@ -52,7 +57,7 @@ def identity_from_env() -> dict[str, Any]:
 
 class StateReporter:
     def __init__(self, identity: dict[str, Any], full_snapshot_s: float = 10.0, timeout_s: float = 0.5):
-        self.identity = {k: v for k, v in identity.items() if k not in ("routers", "report_key")}
+        self.identity = {k: v for k, v in identity.items() if k not in ("routers", "admin_routers", "report_key")}
         self.routers: list[str] = identity.get("routers", [])
         self.report_key: str = identity.get("report_key", "")
         self.full_snapshot_s, self.timeout_s = full_snapshot_s, timeout_s
