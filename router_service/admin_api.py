@@ -15,6 +15,7 @@ from registry import queries
 from registry.admin_tokens import AdminIdentity, match_admin_token
 from registry.db import session_scope
 from registry.warm_buffers import set_warm_buffer
+from router_service.admin_budgets_rules import register_budget_and_rule_routes
 from router_service.core import Router
 from router_service.errors import RouterError
 
@@ -93,14 +94,15 @@ def admin_router(router: Router) -> APIRouter:
         if body.split is not None:
             split = body.split
         elif body.version is not None and body.percent is not None:
-            try:
-                split = queries.rollout_split(router.registry.snapshot.routes.get(name, {}), body.version, body.percent)
+            try:  # the registry's own refusal (e.g. no other version to take the rest) is a 400, not a 500
+                split = queries.rollout_split(router.registry.snapshot.routes.get(name, {}), body.version,
+                                              body.percent)
             except queries.RegistryError as exc:
                 raise RouterError("invalid_argument", str(exc)) from exc
         else:
             raise RouterError("invalid_argument", "send {version, percent} or {split: {version: percent}}")
-        await write(lambda s: queries.set_routes(s, name, split, actor=actor))
-        return {"model": name, "routes": split}
+        changed = await write(lambda s: queries.set_routes(s, name, split, actor=actor))
+        return {"model": name, "routes": {v: p for v, p in split.items() if p}, "changed": changed}
 
     @api.post("/models/{name}/promote")
     async def promote(name: str, body: VersionBody, request: Request):
@@ -134,6 +136,8 @@ def admin_router(router: Router) -> APIRouter:
         if state == "serving":
             router.cordoned.pop(replica_id, None)
         return {"replica_id": replica_id, "state": state}
+
+    register_budget_and_rule_routes(api, role_of, write, db_url)
 
     @api.get("/audit")
     async def audit(request: Request, limit: int = 100):

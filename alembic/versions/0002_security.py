@@ -2,7 +2,7 @@
 concurrency cap
 
 Revision ID: 0002
-Revises: 0001
+Revises: 0003
 Create Date: 2026-11-30
 """
 from alembic import op
@@ -10,7 +10,7 @@ import sqlalchemy as sa
 
 
 revision = '0002'
-down_revision = '0001'
+down_revision = '0003'
 branch_labels = None
 depends_on = None
 
