@@ -156,4 +156,4 @@ def test_operator_arms_an_automatic_rollback_rule(stack, page):
     rules = RouterClient(f"http://127.0.0.1:{stack.port}", VIEWER_TOKEN).rollback_rules()
     assert [(r["version"], r["max_error_rate"], r["max_ttft_ms_p95"], r["minutes"], r["armed"]) for r in rules] == \
         [("2", 0.1, 1500.0, 2, True)]
-    assert _audit(stack.db_url)[0][:3] == ("operator", "set_rollback_rule", f"{MODEL}/2")
+    assert _audit(stack.db_url)[0][:3] == ("alice", "set_rollback_rule", f"{MODEL}/2")
