@@ -135,10 +135,11 @@ def test_named_admin_tokens_are_hashed_revocable_and_audited(stack, http):
             break
         __import__("time").sleep(0.1)
     assert http.get("/admin/whoami", headers=headers).json() == {"role": "operator", "name": "alice"}
-    r = http.post("/admin/replicas/" + stack.replica_ids[0] + "/uncordon", headers=headers)
-    assert r.status_code == 200
+    for action in ("drain", "uncordon"):  # a change and its undo, both audited under the token's name
+        assert http.post(f"/admin/replicas/{stack.replica_ids[0]}/{action}", headers=headers).status_code == 200
     audit = http.get("/admin/audit", headers=headers).json()["entries"]
-    assert audit[0]["actor"] == "alice" and audit[0]["action"] == "replica_serving"  # before: always "operator"
+    assert [(a["actor"], a["action"]) for a in audit[:2]] == [("alice", "replica_serving"),
+                                                             ("alice", "replica_draining")]  # before: "operator"
     viewer = subprocess.run([*cli, "create", "--name", "vera", "--role", "viewer"], env=stack.env, cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=120).stdout.strip().splitlines()[-1]
     revoked = subprocess.run([*cli, "revoke", "--name", "alice"], env=stack.env, cwd=REPO_ROOT,
