@@ -115,7 +115,7 @@ def busy(values: dict[str, float]) -> int:
 def drain(metrics_url: str, identity: dict[str, Any], admin_token: str, timeout_s: float,
           poll_s: float = 1.0) -> bool:
     """Stop admission at every router, then wait for the replica to hold no request; False on timeout."""
-    for router in identity.get("routers", []):
+    for router in identity.get("admin_routers") or identity.get("routers", []):
         req = urllib.request.Request(f"{router}/admin/replicas/{identity['replica_id']}/drain", data=b"{}",
                                      method="POST", headers={"authorization": f"Bearer {admin_token}",
                                                              "content-type": "application/json"})

@@ -4,8 +4,9 @@ Rollout answers (and `GET /admin/fleet`'s `rollouts`) say what traffic each vers
 without ready replicas keeps its share pending ("v2: 0 of 1 replicas ready, 20 % pending") while the
 autoscaler starts its replicas, and the versions that serve carry it meanwhile.
 
-Two roles: `operator` (may write) and `viewer` (read only). Tokens come from the data dir
-(`admin-token` for the operator, `viewer-token` for viewers) or FLEET_ADMIN_TOKEN / FLEET_VIEWER_TOKEN.
+Who may call it: holders of a named admin token (registry/admin_tokens.py; `fleet admin-token create`), role
+`operator` (may write) or `viewer` (read only). Tokens are checked against their hashes in constant time and
+the audit log records the token's name as the actor. A change the registry refuses is a 400 with its reason.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from registry import queries
+from registry.admin_tokens import AdminIdentity, match_admin_token
 from registry.db import session_scope
 from registry.warm_buffers import set_warm_buffer
 from router_service.admin_budgets_rules import register_budget_and_rule_routes
@@ -43,18 +45,24 @@ class VersionBody(BaseModel):
     version: str
 
 
-def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
+def admin_router(router: Router) -> APIRouter:
     api = APIRouter(prefix="/admin")
     db_url = router.registry.db_url
 
-    def role_of(request: Request, need: str) -> str:
+    def identity(request: Request, need: str) -> AdminIdentity:
         auth = request.headers.get("authorization", "")
-        role = tokens.get(auth[7:].strip()) if auth.lower().startswith("bearer ") else None
-        if role is None:
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        who = match_admin_token(router.registry.snapshot.admin_tokens, token) if token else None
+        if who is None:
             raise RouterError("unauthenticated", "admin endpoints need 'authorization: Bearer <admin or viewer token>'")
-        if need == "operator" and role != "operator":
-            raise RouterError("permission_denied", f"role {role!r} may not change the fleet; an operator token is needed")
-        return role
+        if need == "operator" and who.role != "operator":
+            raise RouterError("permission_denied", f"{who.name!r} is a {who.role}; changing the fleet needs an "
+                                                   f"operator token")
+        return who
+
+    def role_of(request: Request, need: str) -> str:
+        """The acting token's name (the audit log's actor)."""
+        return identity(request, need).name
 
     async def write(fn, *args):
         try:
@@ -66,7 +74,8 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
 
     @api.get("/whoami")
     async def whoami(request: Request):
-        return {"role": role_of(request, "viewer")}
+        who = identity(request, "viewer")
+        return {"role": who.role, "name": who.name}
 
     @api.get("/fleet")
     async def fleet(request: Request):

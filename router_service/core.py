@@ -20,17 +20,18 @@ from router_service.admission import AdmissionQueue
 from router_service.batch_yield import BatchYield
 from router_service.cancellation import CancelHandle, InflightRequests
 from router_service.errors import RouterError
-from router_service.gateway import Gateway
+from router_service.gateway import Gateway, QuotaLedger
 from router_service.regions import candidate_tiers, home_region
 from router_service.registry_cache import CallerInfo, ModelInfo, RegistryCache, ReplicaInfo
 from router_service.replica_choice import ChoiceParams, Placement, ReplicaChooser
 from router_service.replica_state import ReplicaStateTable
 from router_service.replica_set import ReplicaSet
-from router_service.request import TIERS, Finished, GenerateRequest, Prepared, TokenDelta
-from router_service.rollout import VersionReadiness, pick_version
+from router_service.request import Finished, GenerateRequest, Prepared, TokenDelta
+from router_service.rollout import VersionReadiness
 from router_service.stream_guard import DeadlineReached, ReplicaHung, ResumeText, StreamTimeouts, guarded
 from router_service.tokenization import TokenizerCache
 from router_service.upstream import Preempted, ReplicaClient, ReplicaFailed
+from router_service.visibility import resolve_model
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
@@ -55,6 +56,7 @@ class Router:
         self.cordoned = self.replicas.cordoned  # replica -> monotonic time the router cordoned it
         self.chooser = ReplicaChooser(self.replica_state, choice)
         self.gateway = gateway or Gateway()
+        self.quotas = QuotaLedger(registry.db_url)
         self.queues: dict[str, AdmissionQueue] = {}
         self.max_waiting = max_waiting
         self.requests = InflightRequests()
@@ -74,48 +76,18 @@ class Router:
             raise RouterError("unauthenticated", "unknown API key")
         return caller
 
-    # --- resolution --------------------------------------------------------------------------------
-    def resolve_model(self, caller: CallerInfo, req: GenerateRequest) -> ModelInfo:
-        snap = self.registry.snapshot
-        versions = snap.models.get(req.model)
-        if not versions:
-            known = ", ".join(sorted(snap.models)) or "none"
-            raise RouterError("not_found", f"model {req.model!r} is not served; known models: {known}")
-        if caller.allowed_models and req.model not in caller.allowed_models:
-            raise RouterError("permission_denied", f"caller {caller.name!r} may not use model {req.model!r}")
-        if req.tier in TIERS and TIERS.index(req.tier) < TIERS.index(caller.max_tier):
-            raise RouterError("permission_denied",
-                              f"priority {req.tier!r} is above caller {caller.name!r}'s maximum tier {caller.max_tier!r}")
-        if req.version:
-            if req.version not in versions:
-                raise RouterError("not_found", f"model {req.model!r} has no version {req.version!r}; "
-                                               f"known versions: {', '.join(sorted(versions))}")
-            version = req.version
-        else:
-            if not snap.routes.get(req.model):
-                raise RouterError("unavailable", f"model {req.model!r} has no route; an operator must set one")
-            shares = {r.version: r.effective for r in self.readiness(req.model, home_region(caller.region, self.region))}
-            version = pick_version(shares, req.session or caller.name)
-        if req.adapter:
-            adapter = snap.adapters.get(req.adapter)
-            if adapter is None or adapter.base_model != req.model:
-                known = sorted(a.name for a in snap.adapters.values() if a.base_model == req.model)
-                raise RouterError("not_found", f"adapter {req.adapter!r} does not exist for model {req.model!r}; "
-                                               f"known adapters: {', '.join(known) or 'none'}")
-            if adapter.owner_team != caller.team and req.adapter not in caller.allowed_adapters:
-                raise RouterError("permission_denied", f"adapter {req.adapter!r} belongs to team {adapter.owner_team!r}, "
-                                                       f"not to caller {caller.name!r}'s team {caller.team!r}")
-        return versions[version]
-
     async def prepare(self, caller: CallerInfo, req: GenerateRequest) -> Prepared:
         """Validate, tokenise, check quota, and wait for a replica slot (admission queue)."""
         arrived = time.monotonic()
         try:
             self.gateway.check_rate(caller.name)
-            model = self.resolve_model(caller, req)
+            home = home_region(caller.region, self.region)
+            model = resolve_model(self.registry.snapshot, caller, req,
+                                  lambda: {r.version: r.effective for r in self.readiness(req.model, home)})
             req.validate(model.max_context)
             if req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
                 raise RouterError("deadline_exceeded", f"deadline_ms {req.deadline_ms} has already passed")
+            req.check_prompt_size(model.max_context, *await self._limits(model))
             if req.prompt_ids is None:
                 req.prompt_ids = await self._tokenize(model, req)
             req.check_prompt_fits(model.max_context)
@@ -124,23 +96,27 @@ class Router:
             p = Prepared(req, caller, model, list(req.prompt_ids), arrived=arrived,
                          home=home_region(caller.region, self.region))
             p.quota_reserved = len(p.prompt_ids) + req.max_tokens
-            self.gateway.reserve(caller.name, caller.token_quota_per_day, p.quota_reserved)
+            await self.quotas.reserve(req.request_id, caller.name, caller.token_quota_per_day, p.quota_reserved,
+                                      caller.max_concurrent)
         except RouterError as exc:
             metrics.REJECTED.labels(exc.code).inc()
             raise
-        if req.request_id in self.requests.handles:
-            self.gateway.settle(caller.name, p.quota_reserved, 0)
-            raise RouterError("invalid_argument", f"request id {req.request_id!r} is already in flight")
         p.handle = self.requests.register(req.request_id, caller.name)
         try:
             p.placement = await self.admit(p, set(), p.prompt_ids, req.max_tokens)
         except BaseException as exc:
             self.requests.unregister(p.handle)
-            self.gateway.settle(caller.name, p.quota_reserved, 0)
+            self.quotas.settle(req.request_id, 0)
             if isinstance(exc, RouterError):
                 metrics.REJECTED.labels(exc.code).inc()
             raise
         return p
+
+    async def _limits(self, model: ModelInfo) -> tuple[int, int]:
+        """(vocab size, max characters per token) of the model's tokenizer (loaded off the event loop once)."""
+        if self.tokenizers.loaded(model.weights_uri):
+            return self.tokenizers.limits(model.weights_uri)
+        return await asyncio.to_thread(self.tokenizers.limits, model.weights_uri)
 
     async def _tokenize(self, model: ModelInfo, req: GenerateRequest) -> list[int]:
         """Short prompts inline (a thread hop costs more than encoding them); long ones off the event loop."""
@@ -237,7 +213,7 @@ class Router:
         if p.placement is not None:
             self._release_slot(p.placement)
             p.placement = None
-        self.gateway.settle(p.caller.name, p.quota_reserved, 0)
+        self.quotas.settle(p.req.request_id, 0)
         if p.handle is not None:
             self.requests.unregister(p.handle)
 
@@ -364,7 +340,7 @@ class Router:
                 self._release_slot(placement)
             if p.handle is not None:
                 self.requests.unregister(p.handle)
-            self.gateway.settle(p.caller.name, p.quota_reserved, len(p.prompt_ids) + len(emitted))
+            self.quotas.settle(p.req.request_id, len(p.prompt_ids) + len(emitted))
             account(self.usage, p, finish, status, len(emitted), first_token_at, replica_id, ledger)
 
     def _resume_text(self, p: Prepared, text: ResumeText, emitted: list[int]) -> None:
@@ -382,7 +358,7 @@ class Router:
         for versions in self.registry.snapshot.models.values():
             for info in versions.values():
                 try:
-                    self.tokenizers.get(info.weights_uri)
+                    self.tokenizers.limits(info.weights_uri)
                 except Exception as exc:  # a missing tokenizer is reported to the first caller that needs it
                     log.info("tokenizer for %s %s not preloaded: %s", info.name, info.version, exc)
 

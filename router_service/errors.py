@@ -7,6 +7,7 @@ import grpc
 
 _CODES = {
     "invalid_argument": (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    "too_large": (grpc.StatusCode.INVALID_ARGUMENT, 413),
     "unauthenticated": (grpc.StatusCode.UNAUTHENTICATED, 401),
     "permission_denied": (grpc.StatusCode.PERMISSION_DENIED, 403),
     "not_found": (grpc.StatusCode.NOT_FOUND, 404),

@@ -4,6 +4,9 @@ Model names are registry model names (e.g. `smollm2-135m`); `model_version` pick
 otherwise the rollout split does. ModelInfer errors end the call with the matching gRPC status; on a
 ModelStreamInfer stream each request's error travels in-band (`error_message`, naming the request id) and
 the other requests on the stream carry on. Responses queue per stream with a bound (see stream_guard).
+
+Who may call it: callers with an API key, for every RPC but ServerLive / ServerReady / ServerMetadata;
+ModelMetadata, ModelReady and RepositoryIndex show only what the key may use (visibility.py).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from tritonclient.grpc import service_pb2_grpc
 from router_service.core import Router
 from router_service.errors import RouterError
 from router_service.kserve_codec import decode_request, encode_stream_response, merge_responses
+from router_service.visibility import visible_models
 
 log = logging.getLogger(__name__)
 SERVER_NAME = "llm-fleet-router"
@@ -50,16 +54,26 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=["streaming"])
 
+    async def _visible(self, context) -> dict:
+        """The models (and pinnable versions) the calling key may see; aborts UNAUTHENTICATED without one."""
+        try:
+            caller = self.router.authenticate(_api_key(context))
+        except RouterError as exc:
+            await _abort(context, exc)
+        return visible_models(self.router.registry.snapshot, caller)
+
     async def ModelReady(self, request, context):
-        versions = self.router.registry.snapshot.models.get(request.name, {})
-        ok = bool(versions) and (not request.version or request.version in versions)
+        versions = (await self._visible(context)).get(request.name)
+        ok = versions is not None and (not request.version or request.version in versions)
         return pb.ModelReadyResponse(ready=ok)
 
     async def ModelMetadata(self, request, context):
-        versions = self.router.registry.snapshot.models.get(request.name)
-        if not versions:
-            known = ", ".join(sorted(self.router.registry.snapshot.models)) or "none"
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.name!r} is not served; known: {known}")
+        visible = await self._visible(context)
+        versions = visible.get(request.name)
+        if versions is None:
+            known = ", ".join(sorted(visible)) or "none"
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.name[:64]!r} is not served to you; "
+                                                           f"models you may use: {known}")
         T = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=request.name, versions=sorted(versions), platform="llm-fleet",
@@ -74,7 +88,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request, context):
         snap = self.router.registry.snapshot
         out = pb.RepositoryIndexResponse()
-        for name, versions in sorted(snap.models.items()):
+        for name, versions in sorted((await self._visible(context)).items()):
             for version, info in sorted(versions.items()):
                 pct = snap.routes.get(name, {}).get(version, 0)
                 out.models.add(name=name, version=version, state="READY" if info.status == "serving" else info.status.upper(),

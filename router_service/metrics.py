@@ -37,6 +37,8 @@ CANCELS = Counter("fleet_router_cancels_total", "Requests cancelled (disconnect,
                   ["model", "how"])
 PREEMPTIONS = Counter("fleet_router_preemptions_total", "Batch streams paused for interactive work and re-queued "
                       "(FLEET_ROUTER_BATCH_YIELD=preempt)", ["model"])
+REPORTS_REFUSED = Counter("fleet_router_state_reports_refused_total", "Replica state reports refused on the internal "
+                          "listener (unauthenticated, not_found, invalid_argument, ...)", ["code"])
 LORA_WEIGHT_SENDS = Counter("fleet_router_lora_weight_sends_total", "Requests on which the router asked a replica "
                             "to attach LoRA weights: first use there, or resent after the backend's not-cached "
                             "answer", ["replica", "reason"])

@@ -2,7 +2,7 @@
 cordoned after a failure.
 
 Serving means: `serving` in the router's registry snapshot and not cordoned by this router (a cordon lifts
-when the replica sends a full state report again after a restart). Starting means: a registry row in
+only when the registry records a restart: a new process id). Starting means: a registry row in
 `starting`/`loading` (written by whoever spawned the replica, before its model loads) that is younger than
 `start_wait_s`; requests for such a version wait in the admission queue instead of failing.
 """
@@ -30,17 +30,20 @@ class ReplicaSet:
         self.states = states
         self.start_wait_s = start_wait_s  # a row `starting` for longer than this is presumed dead
         self.cordoned: dict[str, float] = {}  # replica -> monotonic time the router cordoned it
+        self.cordon_pids: dict[str, int] = {}  # replica -> its registry pid when cordoned
         self._readiness: dict[tuple[str, str], tuple[Snapshot, float, list[VersionReadiness]]] = {}
 
     def usable(self, r: ReplicaInfo) -> bool:
         if r.state != "serving":
             return False
-        cordoned_at = self.cordoned.get(r.replica_id)
-        if cordoned_at is not None:
-            if self.states.full_snapshots.get(r.replica_id, 0.0) <= cordoned_at + 1.0:
+        if r.replica_id in self.cordoned:
+            # only a restart recorded in the registry (a new process id) lifts the router's cordon; a state
+            # report never does, whatever it says
+            if self.cordon_pids.get(r.replica_id) == r.pid:
                 return False
-            log.info("replica %s reports again after a restart: uncordoned", r.replica_id)
+            log.info("replica %s was restarted (pid %d): uncordoned", r.replica_id, r.pid)
             del self.cordoned[r.replica_id]
+            self.cordon_pids.pop(r.replica_id, None)
         return True
 
     def serving(self, model: ModelInfo, exclude: set[str]) -> list[ReplicaInfo]:
@@ -79,6 +82,8 @@ class ReplicaSet:
         if replica_id in self.cordoned:
             return
         self.cordoned[replica_id] = time.monotonic()
+        self.cordon_pids[replica_id] = next((r.pid for r in self.registry.snapshot.replicas
+                                             if r.replica_id == replica_id), 0)
         self._readiness.clear()
         metrics.CORDONS.labels(replica_id).inc()
         log.warning("cordoned replica %s: %s", replica_id, why)

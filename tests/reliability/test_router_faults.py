@@ -62,7 +62,7 @@ def _restore(stack, stopped: list[str]) -> None:
         r = httpx.post(f"{stack.http_url}/admin/replicas/{rid}/uncordon",
                        headers={"authorization": f"Bearer {stack.admin_token}"}, timeout=10)
         assert r.status_code == 200, r.text
-    stack.wait_reporting(stack.replica_ids)
+    stack.wait_serving(stack.replica_ids)
 
 
 def _busy(stack, exclude: list[str]) -> list[str]:
