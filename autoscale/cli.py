@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import logging
 import signal
 import time
@@ -169,9 +168,8 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
     else:
         from autoscale.actuators.kubernetes import KubernetesActuator
 
-        actuator = KubernetesActuator(args.namespace, db_url=settings.db_url)
-    token = os.environ.get("FLEET_ADMIN_TOKEN") or (  # in Kubernetes the token comes from a Secret
-        settings.admin_token_file.read_text().strip() if settings.admin_token_file.exists() else None)
+        actuator = KubernetesActuator(args.namespace, db_url=settings.db_url, image=settings.replica_image)
+    token = settings.operator_token()  # in Kubernetes FLEET_ADMIN_TOKEN comes from a Secret
     from autoscale.live_inputs import forecasts_from_usage
 
     forecasts = forecasts_from_usage(settings.usage_db_path, pools, args.history_weeks) if args.history_weeks else {}

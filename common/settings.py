@@ -43,6 +43,8 @@ class Settings(BaseSettings):
     usage_fault: Literal["", "mid_write", "after_write"] = ""  # crash tests only: the loader exits there
     trtllm_examples_dir: str = Field("/opt/TensorRT-LLM/examples",
                                      validation_alias=AliasChoices("TRTLLM_EXAMPLES_DIR"))
+    replica_image: str = "registry.example.com/llm-fleet-gpu:0.1.0-trtllm0.17"  # Kubernetes GPU replicas
+    tensor_parallel: int = Field(1, ge=1)  # GPU ranks `python -m build_engines.launch` starts by default
 
     @model_validator(mode="after")
     def _derived(self) -> "Settings":
@@ -98,6 +100,10 @@ class Settings(BaseSettings):
     @property
     def viewer_token_file(self) -> Path:
         return self.data_dir / "viewer-token"
+
+    def operator_token(self) -> str | None:
+        """The operator token (FLEET_ADMIN_TOKEN or the admin-token file), for services that call the admin API."""
+        return next((t for t, role in self.admin_tokens().items() if role == "operator"), None)
 
     def admin_tokens(self) -> dict[str, str]:
         """token -> role (`operator`, `viewer`): from FLEET_ADMIN_TOKEN / FLEET_VIEWER_TOKEN, else the data

@@ -17,14 +17,13 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
 from datetime import datetime
 from typing import Any
 
 import yaml
 
 from autoscale.actuators import PoolSpec, ReplicaCounts
-from common.settings import REPO_ROOT
+from common.settings import REPO_ROOT, Settings
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +32,7 @@ POOL_LABEL = "fleet.ai/pool"
 TP_GROUP_LABEL = "fleet.ai/tp-group"
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 REGION_LABEL = "topology.kubernetes.io/region"
-DEFAULT_IMAGE = os.environ.get("FLEET_REPLICA_IMAGE", "registry.example.com/llm-fleet-gpu:0.1.0-trtllm0.17")
+DEFAULT_IMAGE = Settings.model_fields["replica_image"].default  # FLEET_REPLICA_IMAGE overrides (autoscale cli)
 GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002
 
 

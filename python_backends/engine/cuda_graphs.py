@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from python_backends.engine.model_runner import ForwardBatch, ModelRunner
+from python_backends.engine.batch import ForwardBatch
+
+if TYPE_CHECKING:  # type only: model_runner imports this module when it captures graphs
+    from python_backends.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +31,6 @@ def buckets_for(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, runner: "ModelRunner", max_batch: int):
-        from python_backends.engine.model_runner import ForwardBatch
         self.runner = runner
         dev = runner.device
         self.max_batch = max_batch
@@ -68,7 +69,7 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, batch: "ForwardBatch") -> torch.Tensor | None:
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Replay the smallest bucket that holds this decode step; None if none does (caller runs eagerly)."""
         n = batch.n_decode
         b = self.bucket(n)

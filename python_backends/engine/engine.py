@@ -19,7 +19,8 @@ from python_backends.engine.device import resolve_device
 from python_backends.engine.kv_cache_manager import KVCacheManager
 from python_backends.engine.lora import FUSED, LoraManager
 from python_backends.engine.metrics import EngineStats
-from python_backends.engine.model_runner import ModelRunner, SeqChunk, read_model_config
+from python_backends.engine.batch import SeqChunk
+from python_backends.engine.model_runner import ModelRunner, read_model_config
 from python_backends.engine.sampling import sample
 from python_backends.engine.scheduler import Scheduler
 from python_backends.engine.sequence import FinishReason, SamplingParams, Sequence, Status

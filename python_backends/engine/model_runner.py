@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,42 +26,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from python_backends.engine import paged_attention
+from python_backends.engine.batch import ForwardBatch, SeqChunk
 from python_backends.engine.device import Staging, fp32_matmul_rows, kv_blocks_for_memory
 from python_backends.engine.lora import LoraManager
 from python_backends.engine.rope import rope_tables
 
 log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
-
-@dataclass
-class SeqChunk:
-    """One sequence's share of a step: `token_ids` at positions start..start+len-1."""
-    token_ids: list[int]
-    start: int
-    block_table: list[int]
-    need_logits: bool
-    lora_slot: int = -1          # -1 = base model
-
-
-@dataclass
-class ForwardBatch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    logits_rows: torch.Tensor
-    n_decode: int                              # leading one-token rows (decodes)
-    lora_rows: torch.Tensor | None = None
-    tok_seq: torch.Tensor | None = None        # CUDA: block-table row of each token
-    block_tables: torch.Tensor | None = None   # CUDA: [chunks, max blocks]
-    decode_gather: torch.Tensor | None = None  # CPU: [n_decode, blocks] block ids
-    decode_mask: torch.Tensor | None = None    # CPU: [1, n_decode, 1, blocks*bs]
-    prefill_blocks: torch.Tensor | None = None  # CPU: blocks of all prefill chunks, concatenated
-    prefill_mask: torch.Tensor | None = None    # CPU: [prefill tokens, keys]
-
-    @property
-    def decode_only(self) -> bool:
-        return self.n_decode == self.input_ids.shape[0]
 
 
 def read_model_config(weights_dir: Path) -> dict:

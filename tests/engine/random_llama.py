@@ -60,7 +60,7 @@ def run_all(engine: LLMEngine, requests: list[tuple[list[int], int, str]]) -> li
 def prefill_logits(engine: LLMEngine, prompt: list[int], lora_slot: int = -1) -> torch.Tensor:
     """fp32 logits at every prompt position (teacher forcing) through the engine's runner; writes K/V into
     blocks 1.. of the pool, so use an engine whose cache is not needed afterwards."""
-    from python_backends.engine.model_runner import SeqChunk
+    from python_backends.engine.batch import SeqChunk
     runner = engine.runner
     batch = runner.prepare([SeqChunk(prompt, 0, list(range(1, 1 + -(-len(prompt) // runner.block_size))), True,
                                      lora_slot)])

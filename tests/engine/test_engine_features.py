@@ -35,7 +35,7 @@ def test_top_k_narrows_the_engine_choices(make_engine, tokenizer):
 
     def outside_top2(ids: list[int]) -> int:
         runner = engine.runner
-        from python_backends.engine.model_runner import SeqChunk
+        from python_backends.engine.batch import SeqChunk
         tokens = prompt + ids
         table = list(range(1, 1 + -(-len(tokens) // 16)))
         batch = runner.prepare([SeqChunk(tokens, 0, table, True)])

@@ -1,0 +1,38 @@
+"""What one engine step computes: each sequence's chunk of tokens (`SeqChunk`, built by the engine) and the
+packed batch the model runner and the CUDA decode graphs run (`ForwardBatch`). Kept below both, so the
+runner and cuda_graphs.py share the type without importing each other."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's share of a step: `token_ids` at positions start..start+len-1."""
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    need_logits: bool
+    lora_slot: int = -1          # -1 = base model
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_rows: torch.Tensor
+    n_decode: int                              # leading one-token rows (decodes)
+    lora_rows: torch.Tensor | None = None
+    tok_seq: torch.Tensor | None = None        # CUDA: block-table row of each token
+    block_tables: torch.Tensor | None = None   # CUDA: [chunks, max blocks]
+    decode_gather: torch.Tensor | None = None  # CPU: [n_decode, blocks] block ids
+    decode_mask: torch.Tensor | None = None    # CPU: [1, n_decode, 1, blocks*bs]
+    prefill_blocks: torch.Tensor | None = None  # CPU: blocks of all prefill chunks, concatenated
+    prefill_mask: torch.Tensor | None = None    # CPU: [prefill tokens, keys]
+
+    @property
+    def decode_only(self) -> bool:
+        return self.n_decode == self.input_ids.shape[0]
