@@ -1,6 +1,6 @@
 """Admin UI entry point: `streamlit run admin_ui/app.py` (started by `fleet up` on FLEET_ADMIN_UI_PORT).
 
-A multipage app: the Login page until a token is accepted, then Fleet, Models & rollouts, Warm buffers &
+A multipage app (the page is the URL path, its filters the query string): the Login page until a token is accepted, then Fleet, Models & rollouts, Warm buffers &
 autoscaling, Chargeback and Capacity. Each page is one file under admin_ui/pages/ and only lays out what
 admin_ui/data.py, usage_data.py and capacity.py return; writes go through the router's admin API.
 """
@@ -11,6 +11,7 @@ from admin_ui import session
 st.set_page_config(page_title="LLM fleet admin", page_icon=":material/dns:", layout="wide")
 st.set_option("client.toolbarMode", "viewer")  # no "Deploy" button: this app runs inside the platform
 
+session.restore()
 login_page = st.Page("pages/login.py", title="Login", icon=":material/login:", url_path="login")
 if session.role() in session.ROLES:
     fleet_page = st.Page("pages/fleet.py", title="Fleet", icon=":material/dns:", url_path="fleet", default=True)
@@ -38,4 +39,8 @@ else:
 current = st.navigation(pages)
 if st.session_state.pop("just_signed_in", False):
     st.switch_page(fleet_page)
+script = session.pending_cookie_script()
+if script:
+    with st.sidebar:
+        st.html(script, unsafe_allow_javascript=True)
 current.run()

@@ -40,17 +40,6 @@ def kv_and_queue(frame: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def live_history(history: pd.DataFrame) -> go.Figure:
-    """Fleet tokens/s and waiting requests over the samples taken while the page was open."""
-    fig = go.Figure()
-    fig.add_scatter(x=history["at"], y=history["tokens_per_s"], name="tokens/s", mode="lines+markers")
-    fig.add_scatter(x=history["at"], y=history["waiting"], name="waiting", mode="lines+markers", yaxis="y2",
-                    line=dict(color="#f58518"))
-    fig.update_layout(title="Fleet tokens/s and queue (live)", yaxis=dict(title="tokens/s", rangemode="tozero"),
-                      yaxis2=_count_axis(history["waiting"], title="waiting"), **_LAYOUT)
-    return fig
-
-
 def version_comparison(frame: pd.DataFrame) -> go.Figure:
     """Side-by-side TTFT p50/p95 and error rate per version."""
     fig = go.Figure()
@@ -63,7 +52,8 @@ def version_comparison(frame: pd.DataFrame) -> go.Figure:
     fig.update_layout(title="Versions under rollout: latency and errors", barmode="group",
                       xaxis=dict(title="version", type="category"), yaxis=dict(title="ms"),
                       yaxis2=dict(title="errors %", overlaying="y", side="right", showgrid=False, tickmode="auto",
-                                  nticks=6, range=[0, max(5.0, float(errors_pct.max()) * 1.2)]), **_LAYOUT)
+                                  nticks=6, range=[0, max(5.0, float(errors_pct.max()) * 1.2)]),
+                      **{**_LAYOUT, "legend": dict(orientation="h", yanchor="top", y=-0.2, xanchor="left", x=0)})
     return fig
 
 

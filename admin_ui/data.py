@@ -21,7 +21,6 @@ FLEET_COLUMNS = ["replica_id", "model", "version", "region", "state", "reporting
                  "running", "waiting", "queue_wait_ms_p95", "ttft_ms_p95", "slo_ttft_ms_p95", "meets_slo",
                  "tokens_per_s"]
 
-DECISION_COLUMNS = ["at", "pool", "serving", "starting", "desired", "why"]
 # the replica table's column order on the page: the numbers an operator scans first
 FLEET_VIEW_ORDER = ["replica_id", "version", "state", "kv_utilisation", "waiting", "queue_wait_ms_p95", "ttft_ms_p95",
                     "slo_ttft_ms_p95", "meets_slo", "tokens_per_s", "running", "inflight", "model", "region",
@@ -90,10 +89,59 @@ def registry_audit(db_url: str | None = None, limit: int = 100) -> list[dict]:
 
 
 def audit_frame(entries: Iterable[dict]) -> pd.DataFrame:
-    """Audit entries as a table with before/after shown as compact JSON."""
-    rows = [{"at": e.get("at"), "actor": e.get("actor"), "action": e.get("action"), "target": e.get("target"),
+    """Audit entries as a table: time in UTC (zone shown), the actor exactly as stored, a readable summary of
+    the change, and before/after as full JSON."""
+    rows = [{"at (UTC)": _utc_text(e.get("at")), "actor": e.get("actor"), "action": e.get("action"),
+             "target": e.get("target"), "change": change_text(e.get("before"), e.get("after")),
              "before": _compact(e.get("before")), "after": _compact(e.get("after"))} for e in entries]
-    return pd.DataFrame(rows, columns=["at", "actor", "action", "target", "before", "after"])
+    return pd.DataFrame(rows, columns=["at (UTC)", "actor", "action", "target", "change", "before", "after"])
+
+
+def _utc_text(at) -> str:
+    if not at:
+        return ""
+    stamp = pd.Timestamp(at)
+    stamp = stamp.tz_localize("UTC") if stamp.tzinfo is None else stamp.tz_convert("UTC")
+    return f"{stamp:%Y-%m-%d %H:%M:%S} UTC"
+
+
+def change_text(before: dict | None, after: dict | None) -> str:
+    """'v1 100 % -> 90 %, v2 0 % -> 10 %' for route changes; 'field: old -> new' for other changes."""
+    before, after = before or {}, after or {}
+    if "routes" in before or "routes" in after:
+        old, new = before.get("routes") or {}, after.get("routes") or {}
+        parts = [f"v{v} {old.get(v, 0)} % → {new.get(v, 0)} %" for v in sorted(set(old) | set(new))]
+        extra = f" ({after['reason']})" if after.get("reason") else ""
+        return ", ".join(parts) + extra
+    keys = [k for k in dict.fromkeys([*before, *after]) if before.get(k) != after.get(k)]
+    return ", ".join(f"{k}: {_plain(before.get(k, '–'))} → {_plain(after.get(k, '–'))}" for k in keys)
+
+
+def _plain(value) -> str:
+    """Numbers as people write them (0.000001, not 1e-06)."""
+    if isinstance(value, float):
+        return f"{value:.6f}".rstrip("0").rstrip(".") if value != int(value) else f"{value:.0f}"
+    return str(value)
+
+
+def routable_versions(versions: pd.DataFrame, model: str) -> list[str]:
+    """Versions of `model` that may take traffic (the registry refuses the others)."""
+    rows = versions[(versions["model"] == model) & versions["status"].isin(queries.ROUTABLE_STATUSES)]
+    return list(rows["version"])
+
+
+def preview_split(current: dict[str, int], version: str, percent: int) -> tuple[dict[str, int] | None, str]:
+    """The split the router would set for {version, percent} (same rule), or (None, the registry's refusal)."""
+    try:
+        return queries.rollout_split(current, version, percent), ""
+    except queries.RegistryError as exc:
+        return None, str(exc)
+
+
+def split_preview_frame(current: dict[str, int], new: dict[str, int]) -> pd.DataFrame:
+    versions = sorted(set(current) | set(new))
+    return pd.DataFrame({"version": versions, "now %": [current.get(v, 0) for v in versions],
+                         "after %": [new.get(v, 0) for v in versions]})
 
 
 def fleet_frame(replicas: list[dict], slos: dict[tuple[str, str], tuple[int, int]] | None = None) -> pd.DataFrame:
@@ -141,33 +189,3 @@ def _compact(value) -> str:
     if value in (None, {}, []):
         return ""
     return json.dumps(value, sort_keys=True, default=str)
-
-
-def append_sample(history: list[dict], frame: pd.DataFrame, at, keep: int = 120) -> list[dict]:
-    """Add one fleet-wide sample (tokens/s, waiting) to a rolling history of at most `keep` samples."""
-    sample = {"at": at, "tokens_per_s": float(pd.to_numeric(frame["tokens_per_s"], errors="coerce").sum()),
-              "waiting": float(pd.to_numeric(frame["waiting"], errors="coerce").sum())}
-    return [*history, sample][-keep:]
-
-
-def autoscaler_decisions(data_dir, limit: int = 50) -> pd.DataFrame:
-    """Recent autoscaler decisions, newest first, from `<data dir>/autoscale/decisions.jsonl`: one JSON object
-    a line, the controller's Decision (`ts` wall-clock seconds, `pool`, `serving`, `starting`, `desired`,
-    `signals`: the numbers it decided on) plus an optional `reason`. Empty when none are recorded."""
-    from pathlib import Path
-
-    path = Path(data_dir) / "autoscale" / "decisions.jsonl"
-    if not path.exists():
-        return pd.DataFrame(columns=DECISION_COLUMNS)
-    rows = []
-    for line in path.read_text().splitlines()[-limit:]:
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        ts = d.get("ts")
-        rows.append({"at": pd.to_datetime(ts, unit="s", utc=True) if isinstance(ts, (int, float)) else None,
-                     "pool": d.get("pool") or "/".join(str(d[k]) for k in ("model", "version") if d.get(k)),
-                     "serving": d.get("serving", d.get("current")), "starting": d.get("starting"),
-                     "desired": d.get("desired"), "why": d.get("reason") or _compact(d.get("signals"))})
-    return pd.DataFrame(rows[::-1], columns=DECISION_COLUMNS)

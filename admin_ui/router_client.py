@@ -79,6 +79,17 @@ class RouterClient:
         """`cordon`, `drain` or `uncordon`; returns the replica's new state."""
         return self._call("POST", f"/replicas/{replica_id}/{action}")["state"]
 
+    def set_budget(self, team: str, monthly_amount: float) -> dict:
+        """PUT /admin/budgets/{team}: the team's monthly budget in the platform currency."""
+        return self._call("PUT", f"/budgets/{team}", {"monthly_amount": monthly_amount})
+
+    def rollback_rules(self) -> list[dict]:
+        return self._call("GET", "/rollback-rules")["rules"]
+
+    def set_rollback_rule(self, model: str, version: str, rule: dict) -> dict:
+        """PUT /admin/rollback-rules/{model}/{version} with max_error_rate, max_ttft_ms_p95, minutes, armed."""
+        return self._call("PUT", f"/rollback-rules/{model}/{version}", rule)
+
     def set_warm_buffer(self, model: str, version: str, settings: dict[str, int]) -> dict:
         """PUT /admin/warm-buffers/{model}/{version} with min_idle_replicas, min_replicas, max_replicas,
         slo_ttft_ms_p95, slo_tokens_per_s."""

@@ -3,6 +3,7 @@
 The token and its role live in `st.session_state` (`token`, `role`). The role is asked from the router
 (`GET /admin/whoami`); when the router is down the data dir's token files decide, so a read-only view
 still works. Writes are only offered to operators, and the router refuses a viewer's writes anyway.
+A sign-in survives a browser reload through a session cookie (admin_ui/ui_sessions.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import streamlit as st
 
+from admin_ui import ui_sessions
 from admin_ui.router_client import AdminApiError, RouterClient, RouterDown
 from common.settings import Settings, load_settings
 
@@ -39,10 +41,38 @@ def login(token: str) -> tuple[str | None, str]:
         note = (f"The router is down ({s.router_http_url}); signed in from the data dir's token files; "
                 "only what the registry and the usage store hold can be shown.")
     st.session_state["token"], st.session_state["role"] = token, role
+    st.session_state["ui_sid"] = _sessions().create(token, role)
+    st.session_state["cookie_script"] = ui_sessions.cookie_script(st.session_state["ui_sid"])
     return role, note
 
 
+@st.cache_resource
+def _sessions() -> ui_sessions.SessionStore:
+    """The sign-ins of this UI server process (shared by every browser session)."""
+    return ui_sessions.SessionStore()
+
+
+def restore() -> None:
+    """After a browser reload: sign the new Streamlit session in again from the session cookie."""
+    if role() in ROLES:
+        return
+    sid = st.context.cookies.get(ui_sessions.COOKIE) if st.context.cookies else None
+    if sid and sid != st.session_state.get("signed_out_sid"):
+        found = _sessions().get(sid)
+        if found is not None:
+            st.session_state.update(token=found.token, role=found.role, ui_sid=sid)
+
+
+def pending_cookie_script() -> str | None:
+    """The cookie-setting (or clearing) script still to send to the browser, once."""
+    return st.session_state.pop("cookie_script", None)
+
+
 def logout() -> None:
+    sid = st.session_state.pop("ui_sid", None)
+    _sessions().drop(sid)
+    st.session_state["signed_out_sid"] = sid  # the browser may still send the cookie until the script runs
+    st.session_state["cookie_script"] = ui_sessions.cookie_script(None)
     for key in ("token", "role"):
         st.session_state.pop(key, None)
 
@@ -70,8 +100,13 @@ def client() -> RouterClient:
 
 def header(title: str, caption: str) -> None:
     st.title(title)
-    st.caption(f"{caption} · signed in as **{role()}**")
+    st.caption(f"{caption} · signed in as **{role()}** · amounts in {settings().currency}")
     show_flash()
+
+
+def currency() -> str:
+    """The one currency of every amount in the UI (FLEET_CURRENCY, default USD)."""
+    return settings().currency
 
 
 def safe(what: str, fn: Callable[..., Any], *args, **kwargs) -> Any | None:

@@ -105,3 +105,20 @@ def version_comparison(model: str, window_s: float = 3600.0, path: Path | None =
     with store.connect(store_path(path), read_only=True) as con:
         frame = con.execute(sql, [model, since_ts]).df()
     return frame[COMPARISON_COLUMNS]
+
+
+def version_series(model: str, window_s: float, bucket_s: int, path: Path | None = None,
+                   now: float | None = None) -> pd.DataFrame:
+    """Per version of `model` and time bucket over the last `window_s`: requests, error rate, TTFT p95 and
+    per-stream tokens/s (median) — the rollout's versions over time. Columns: bucket (UTC), version, ..."""
+    since_ts = (now if now is not None else time.time()) - window_s
+    sql = f"""
+        SELECT to_timestamp(floor(ts / {int(bucket_s)}) * {int(bucket_s)}) AS bucket, version, count(*) AS requests,
+               count(*) FILTER (WHERE status = 'error') / count(*) AS error_rate,
+               quantile_cont(ttft_ms, 0.95) AS ttft_ms_p95,
+               quantile_cont(CASE WHEN completion_tokens > 1 AND duration_ms > ttft_ms
+                                  THEN (completion_tokens - 1) * 1000.0 / (duration_ms - ttft_ms) END, 0.5)
+                   AS tokens_per_s_p50
+        FROM usage_events WHERE model = ? AND ts >= ? GROUP BY ALL ORDER BY bucket, version"""
+    with store.connect(store_path(path), read_only=True) as con:
+        return con.execute(sql, [model, since_ts]).df()

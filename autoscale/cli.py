@@ -62,6 +62,8 @@ def register(subparsers) -> None:
     run.add_argument("--max-running-per-replica", type=int, default=8)
     run.add_argument("--target-load", type=float, default=0.7)
     run.add_argument("--namespace", default="llm", help="Kubernetes namespace")
+    run.add_argument("--image", default=None, help="replica image for the Kubernetes actuator's Deployments "
+                                                   "(default: the GPU image tag deploy/overlays/gpu-prod uses)")
     run.add_argument("--once", action="store_true", help="one tick, print the decisions as JSON, exit")
     run.add_argument("--history-weeks", type=int, default=3,
                      help="weeks of usage-store history the forecaster is fitted on (0 = no forecast)")
@@ -168,8 +170,8 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
     else:
         from autoscale.actuators.kubernetes import KubernetesActuator
 
-        actuator = KubernetesActuator(args.namespace, db_url=settings.db_url, image=settings.replica_image)
-    token = settings.operator_token()  # in Kubernetes FLEET_ADMIN_TOKEN comes from a Secret
+        actuator = KubernetesActuator(args.namespace, image=args.image, db_url=settings.db_url)
+    token = settings.operator_token()  # FLEET_ADMIN_TOKEN (a Secret in Kubernetes), else the data dir's file
     from autoscale.live_inputs import forecasts_from_usage
 
     forecasts = forecasts_from_usage(settings.usage_db_path, pools, args.history_weeks) if args.history_weeks else {}

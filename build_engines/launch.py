@@ -15,8 +15,6 @@ import os
 import shlex
 import sys
 
-from common.settings import load_settings
-
 ENGINE_MODEL = "tensorrt_llm"
 
 
@@ -45,8 +43,8 @@ def plan_launch(world_size: int, model_repo: str, http_port: int = 8000, grpc_po
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m build_engines.launch", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--world-size", type=int, default=load_settings().tensor_parallel,
-                    help="GPUs = tensor-parallel ranks (the engine's --tensor-parallel); env FLEET_TENSOR_PARALLEL")
+    ap.add_argument("--world-size", type=int, default=1,
+                    help="GPUs = tensor-parallel ranks (the engine's --tensor-parallel; default 1)")
     ap.add_argument("--model-repo", required=True, help="the version's Triton model repository")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)

@@ -40,11 +40,11 @@ class Settings(BaseSettings):
     admin_token: str = ""   # operator token; default: the data dir's admin-token file
     viewer_token: str = ""  # read-only token; default: the data dir's viewer-token file
     autoscaler: bool = True  # FLEET_AUTOSCALER=off: `fleet up` starts no autoscaler
+    currency: str = Field("USD", pattern=r"^[A-Z]{3}$")  # ISO 4217: the one currency of prices, budgets, GPU cost
+    metrics_scrape_s: float = Field(10.0, ge=0.5, le=3600)  # router /metrics -> usage store history, seconds
     usage_fault: Literal["", "mid_write", "after_write"] = ""  # crash tests only: the loader exits there
     trtllm_examples_dir: str = Field("/opt/TensorRT-LLM/examples",
                                      validation_alias=AliasChoices("TRTLLM_EXAMPLES_DIR"))
-    replica_image: str = "registry.example.com/llm-fleet-gpu:0.1.0-trtllm0.17"  # Kubernetes GPU replicas
-    tensor_parallel: int = Field(1, ge=1)  # GPU ranks `python -m build_engines.launch` starts by default
 
     @model_validator(mode="after")
     def _derived(self) -> "Settings":

@@ -1,7 +1,7 @@
 """`fleet up` / `fleet down` / `fleet status`: the whole local platform on embedded defaults.
 
 Order of start: registry migration and seed, engine build (cached), Kafka broker (tansu), usage loader,
-one Triton replica, router, autoscaler (unless FLEET_AUTOSCALER=off), admin UI. Each step is skipped
+one Triton replica, router, metrics scraper, autoscaler (unless FLEET_AUTOSCALER=off), admin UI. Each step is skipped
 when already running, so `up` is re-runnable.
 """
 from __future__ import annotations
@@ -70,6 +70,9 @@ def up(settings: Settings) -> None:
     console.print("  [green]✓[/] Triton replica serving ensemble `llm`")
     _start(settings, "router", [sys.executable, "-m", "router_service"],
            lambda: _http_ok(f"{settings.router_http_url}/health"), "router", info={"kind": "router"})
+    _start(settings, "metrics-scraper", [sys.executable, "-m", "fleet.cli", "usage", "scrape-metrics"], lambda: True,
+           "metrics scraper (router /metrics -> usage store; automatic rollback rules)",
+           info={"kind": "metrics-scraper"})
     if settings.autoscaler:
         _start(settings, "autoscaler", [sys.executable, "-m", "fleet.cli", "autoscale", "run"], lambda: True,
                "autoscaler (local actuator)", info={"kind": "autoscaler"})
@@ -103,7 +106,7 @@ curl -N {http_url}/v1/chat/completions -H "Authorization: Bearer $(cat {settings
 
 def down(settings: Settings) -> None:
     # autoscaler first so it does not replace replicas being stopped; broker last so the loader can drain
-    order = {"autoscaler": -1, "admin-ui": 0, "router": 1, "usage-loader": 3, "kafka": 4}
+    order = {"autoscaler": -1, "admin-ui": 0, "metrics-scraper": 0, "router": 1, "usage-loader": 3, "kafka": 4}
     for info in sorted(processes.running(settings), key=lambda p: order.get(p["name"], 2)):
         if info.get("kind") == "replica":
             stop_replica(settings, info["replica_id"])

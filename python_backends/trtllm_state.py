@@ -26,8 +26,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.settings import load_from_env
-from python_backends.engine.state_report import ReplicaSettings, StateReporter, identity_from_env
+from common.settings import load_settings
+from python_backends.engine.state_report import StateReporter, identity_from_env
 
 log = logging.getLogger("trtllm_state")
 KV = "nv_trt_llm_kv_cache_block_metrics"
@@ -155,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     if not identity["routers"]:
         ap.error("FLEET_ROUTER_URLS is empty: set the routers' internal URLs (comma-separated)")
     if args.mode == "drain":
-        token = load_from_env(ReplicaSettings).router_admin_token
+        token = load_settings().operator_token()
         if not token:
-            ap.error("FLEET_ROUTER_ADMIN_TOKEN is empty: the drain call needs an operator token")
+            ap.error("no operator token: set FLEET_ADMIN_TOKEN (the drain call uses the router's admin API)")
         return 0 if drain(args.metrics_url, identity, token, args.timeout) else 1
     run(args.metrics_url, args.interval, identity)
     return 0

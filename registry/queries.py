@@ -117,8 +117,10 @@ def split_problems(split: dict[str, int], known_versions: Iterable[str]) -> list
     return problems
 
 
-def set_routes(session: Session, model: str, split: dict[str, int], actor: str) -> None:
-    """Replace a model's percent split; it must name known versions and sum to 100."""
+def set_routes(session: Session, model: str, split: dict[str, int], actor: str, action: str = "set_routes",
+               note: dict | None = None) -> bool:
+    """Replace a model's percent split; it must name known versions and sum to 100. Returns False (no write,
+    no audit row) when the split is already in force; `note` adds context to the audit row's `after`."""
     problems = split_problems(split, (m.version for m in list_model_versions(session) if m.name == model))
     if problems:
         raise RegistryError(f"routes of {model!r}: " + "; ".join(problems))
@@ -128,14 +130,18 @@ def set_routes(session: Session, model: str, split: dict[str, int], actor: str) 
             raise RegistryError(f"version {version!r} of {model!r} is {row.status!r}; only {list(ROUTABLE_STATUSES)} "
                                 f"versions can take traffic")
     before = routes_for(session, model)
+    after = {v: p for v, p in split.items() if p}
+    if before == after:
+        return False
     for row in session.scalars(select(Route).where(Route.model == model)):
         session.delete(row)
     session.flush()
     for version, percent in split.items():
         if percent > 0:
             session.add(Route(model=model, version=version, percent=percent, pools=[]))
-    audit(session, actor, "set_routes", model, {"routes": before}, {"routes": {v: p for v, p in split.items() if p}})
+    audit(session, actor, action, model, {"routes": before}, {"routes": after, **(note or {})})
     bump_version(session)
+    return True
 
 
 # --- teams, callers, adapters --------------------------------------------------------------------
@@ -258,14 +264,11 @@ def rollout_split(current: dict[str, int], version: str, percent: int) -> dict[s
 def rollback_routes(session: Session, model: str, actor: str) -> dict[str, int]:
     """Restore the split in force before the last route change of `model` (a second rollback undoes the first)."""
     last = session.scalar(select(AuditLog).where(AuditLog.target == model, AuditLog.action.in_(
-        ("set_routes", "rollback"))).order_by(AuditLog.id.desc()).limit(1))
+        ("set_routes", "rollback", "auto_rollback"))).order_by(AuditLog.id.desc()).limit(1))
     if last is None or not (last.before or {}).get("routes"):
         raise RegistryError(f"model {model!r} has no earlier route to roll back to")
     previous = {v: int(p) for v, p in last.before["routes"].items()}
-    set_routes(session, model, previous, actor)
-    session.flush()
-    newest = session.scalar(select(AuditLog).order_by(AuditLog.id.desc()).limit(1))
-    newest.action = "rollback"
+    set_routes(session, model, previous, actor, action="rollback")
     return previous
 
 
@@ -276,6 +279,8 @@ def set_replica_state(session: Session, replica_id: str, state: str, actor: str)
     row = session.get(Replica, replica_id)
     if row is None:
         raise RegistryError(f"replica {replica_id!r} is not registered")
+    if row.state == state:
+        return  # nothing changes: no audit row
     audit(session, actor, f"replica_{state}", replica_id, {"state": row.state}, {"state": state})
     row.state = state
     bump_version(session)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, BigInteger, DateTime, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 MODEL_STATUSES = ("building", "built", "staged", "serving", "draining", "retired", "failed")
@@ -121,3 +123,31 @@ class AuditLog(Base):
     target: Mapped[str] = mapped_column(String(256))
     before: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     after: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+
+
+class TeamBudget(Base):
+    """A team's monthly budget in the platform currency (FLEET_CURRENCY), set by operators via the admin API."""
+    __tablename__ = "team_budgets"
+    team: Mapped[str] = mapped_column(String(128), ForeignKey("teams.name"), primary_key=True)
+    monthly_amount: Mapped[float] = mapped_column(Float)
+    currency: Mapped[str] = mapped_column(String(8))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_by: Mapped[str] = mapped_column(String(128), default="")
+
+
+class RollbackRule(Base):
+    """Roll `version` of `model` back to 0 % when its error rate or TTFT p95 stays above a threshold for
+    `minutes` consecutive minutes; armed by an operator, evaluated by usage/auto_rollback.py."""
+    __tablename__ = "rollback_rules"
+    __table_args__ = (UniqueConstraint("model", "version"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model: Mapped[str] = mapped_column(String(128))
+    version: Mapped[str] = mapped_column(String(64))
+    max_error_rate: Mapped[float | None] = mapped_column(Float, nullable=True)  # 0..1
+    max_ttft_ms_p95: Mapped[float | None] = mapped_column(Float, nullable=True)
+    minutes: Mapped[int] = mapped_column(Integer, default=5)
+    armed: Mapped[bool] = mapped_column(Boolean, default=True)
+    armed_by: Mapped[str] = mapped_column(String(128), default="")
+    armed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    fired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    fired_reason: Mapped[str] = mapped_column(Text, default="")

@@ -54,6 +54,8 @@ def set_warm_buffer(session: Session, model: str, version: str, min_idle_replica
         raise RegistryError(f"model {model!r} has no version {version!r}")
     row = get_warm_buffer(session, model, version)
     before = {f: getattr(row, f) for f in FIELDS} if row is not None else None
+    if before == values:
+        return values  # nothing changes: no audit row
     upsert(session, row, lambda: WarmBuffer(model=model, version=version, **values), values)
     audit(session, actor, "set_warm_buffer", f"{model}/{version}", before, values)
     bump_version(session)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from registry import queries
 from registry.db import session_scope
 from registry.warm_buffers import set_warm_buffer
+from router_service.admin_budgets_rules import register_budget_and_rule_routes
 from router_service.core import Router
 from router_service.errors import RouterError
 
@@ -84,11 +85,15 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
         if body.split is not None:
             split = body.split
         elif body.version is not None and body.percent is not None:
-            split = queries.rollout_split(router.registry.snapshot.routes.get(name, {}), body.version, body.percent)
+            try:  # the registry's own refusal (e.g. no other version to take the rest) is a 400, not a 500
+                split = queries.rollout_split(router.registry.snapshot.routes.get(name, {}), body.version,
+                                              body.percent)
+            except queries.RegistryError as exc:
+                raise RouterError("invalid_argument", str(exc)) from exc
         else:
             raise RouterError("invalid_argument", "send {version, percent} or {split: {version: percent}}")
-        await write(lambda s: queries.set_routes(s, name, split, actor=actor))
-        return {"model": name, "routes": split}
+        changed = await write(lambda s: queries.set_routes(s, name, split, actor=actor))
+        return {"model": name, "routes": {v: p for v, p in split.items() if p}, "changed": changed}
 
     @api.post("/models/{name}/promote")
     async def promote(name: str, body: VersionBody, request: Request):
@@ -122,6 +127,8 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
         if state == "serving":
             router.cordoned.pop(replica_id, None)
         return {"replica_id": replica_id, "state": state}
+
+    register_budget_and_rule_routes(api, role_of, write, db_url)
 
     @api.get("/audit")
     async def audit(request: Request, limit: int = 100):

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from router_service.admin_api import admin_router
 from router_service.core import Router
 from router_service.errors import RouterError
+from router_service.metrics import refresh_replica_gauges
 from router_service.openai_schema import ChatBody, CompletionBody
 from router_service.request import TIERS, Finished, Prepared, TokenDelta
 
@@ -50,6 +51,7 @@ def create_app(router: Router, admin_tokens: dict[str, str]) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
+        refresh_replica_gauges(router)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

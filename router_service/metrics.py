@@ -40,3 +40,23 @@ PREEMPTIONS = Counter("fleet_router_preemptions_total", "Batch streams paused fo
 LORA_WEIGHT_SENDS = Counter("fleet_router_lora_weight_sends_total", "Requests on which the router asked a replica "
                             "to attach LoRA weights: first use there, or resent after the backend's not-cached "
                             "answer", ["replica", "reason"])
+REPLICA_KV = Gauge("fleet_router_replica_kv_utilisation", "Share of a replica's KV-cache blocks in use (0..1), from "
+                   "its latest fresh state report", ["replica", "model", "version"])
+REPLICA_WAITING = Gauge("fleet_router_replica_waiting", "Requests waiting inside a replica's engine, from its "
+                        "latest fresh state report", ["replica", "model", "version"])
+
+
+def refresh_replica_gauges(router) -> None:
+    """Set the per-replica gauges from the fresh state reports (called at each /metrics scrape), dropping
+    replicas that stopped reporting so a dead replica does not show its last KV use forever."""
+    for gauge in (REPLICA_KV, REPLICA_WAITING):
+        gauge.clear()
+    for r in router.registry.snapshot.replicas:
+        state = router.replica_state.fresh(r.replica_id)
+        if state is None:
+            continue
+        total, free = state.report.get("kv_blocks_total"), state.report.get("kv_blocks_free")
+        if total and free is not None:
+            REPLICA_KV.labels(r.replica_id, r.model, r.version).set(1.0 - free / total)
+        if state.report.get("waiting") is not None:
+            REPLICA_WAITING.labels(r.replica_id, r.model, r.version).set(state.report["waiting"])

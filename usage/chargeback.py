@@ -63,6 +63,14 @@ def where_clause(since: DateLike, until: DateLike, filters: dict[str, str | None
     return " AND ".join(clauses), params
 
 
+def _filters(filters: dict[str, str | None] | None, **named: str | None) -> dict[str, str | None]:
+    merged = {**named, **(filters or {})}
+    unknown = [k for k in merged if k not in DIMENSIONS]
+    if unknown:
+        raise ValueError(f"unknown filter(s) {unknown}; choose from {sorted(DIMENSIONS)}")
+    return merged
+
+
 def _select_dims(cols: list[str]) -> str:
     return ", ".join(f"{DIMENSIONS[c]} AS {c}" for c in cols)
 
@@ -81,10 +89,12 @@ def _tidy(df: pd.DataFrame) -> pd.DataFrame:
 
 def usage_summary(store_path: Path, since: DateLike = None, until: DateLike = None,
                   group_by: Sequence[str] = ("team", "model", "adapter", "tier", "day"),
-                  team: str | None = None, caller: str | None = None, model: str | None = None) -> pd.DataFrame:
-    """Requests, errors, cancelled, prefill/cached/decode tokens per group."""
+                  team: str | None = None, caller: str | None = None, model: str | None = None,
+                  filters: dict[str, str | None] | None = None) -> pd.DataFrame:
+    """Requests, errors, cancelled, prefill/cached/decode tokens per group; `filters` = more equality filters
+    on DIMENSIONS (e.g. {"tier": "batch", "adapter": ""})."""
     cols = _group_cols(group_by)
-    where, params = where_clause(since, until, {"team": team, "caller": caller, "model": model})
+    where, params = where_clause(since, until, _filters(filters, team=team, caller=caller, model=model))
     dims = _select_dims(cols)
     sql = (f"SELECT {dims + ',' if dims else ''} {_TOKEN_SUMS} FROM usage_events WHERE {where}"
            + (f" GROUP BY ALL ORDER BY {', '.join(cols)}" if cols else ""))
@@ -102,11 +112,12 @@ def tokens_by_team_day(store_path: Path, since: DateLike = None, until: DateLike
 
 def cost_table(store_path: Path, since: DateLike = None, until: DateLike = None,
                group_by: Sequence[str] = ("team", "model", "adapter"), team: str | None = None,
-               caller: str | None = None, model: str | None = None) -> pd.DataFrame:
+               caller: str | None = None, model: str | None = None,
+               filters: dict[str, str | None] | None = None) -> pd.DataFrame:
     """usage_summary columns plus cost_prefill, cost_cached, cost_decode, cost_total, priced per model."""
     cols = _group_cols(group_by)
     inner = list(dict.fromkeys([*cols, "model"]))  # prices are per model: sum costs after pricing
-    where, params = where_clause(since, until, {"team": team, "caller": caller, "model": model})
+    where, params = where_clause(since, until, _filters(filters, team=team, caller=caller, model=model))
     outer_dims = ", ".join(cols)
     sql = f"""
         WITH u AS (SELECT {_select_dims(inner)}, {_TOKEN_SUMS} FROM usage_events WHERE {where} GROUP BY ALL),

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from common.settings import Settings, load_settings
 from usage import chargeback, store
+from usage import metrics_scraper
 from usage.loader import add_load_arguments, run_from_args
 
 VIEWS = ("cost", "tokens", "gpu-hours", "top-callers", "rejects")
@@ -37,6 +38,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_load_arguments(load, settings)
     load.set_defaults(handler=run_from_args)
 
+    scrape = sub.add_parser("scrape-metrics", help="keep the router's Prometheus metrics over time, as `make up` does",
+                            description="Scrape the router's /metrics every --interval seconds into the store's "
+                                        "router_metrics table (the admin UI's Fleet history) and evaluate the "
+                                        "armed automatic rollback rules once a minute. Stops on SIGTERM.")
+    metrics_scraper.add_arguments(scrape, settings)
+    scrape.set_defaults(handler=metrics_scraper.run_from_args)
+
     report = sub.add_parser("report", help="chargeback report (table, csv or json)",
                             description="Tokens, requests, errors, cost and GPU-hours from the usage store. "
                                         "Days are UTC; --since is inclusive, --until exclusive.",
@@ -48,6 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     report.add_argument("--team", help="only this team")
     report.add_argument("--caller", help="only this caller (cost and tokens views)")
     report.add_argument("--model", help="only this model (cost and tokens views)")
+    report.add_argument("--version", help="only this model version (cost and tokens views)")
+    report.add_argument("--adapter", help="only this adapter, '' = base model (cost and tokens views)")
+    report.add_argument("--tier", choices=("interactive", "standard", "batch"),
+                        help="only this tier (cost and tokens views)")
     report.add_argument("--since", type=_date, help="first day, YYYY-MM-DD (default: 30 days ago)")
     report.add_argument("--until", type=_date, help="day after the last, YYYY-MM-DD (default: open)")
     report.add_argument("--by", default="team,model,adapter,tier",
@@ -100,11 +112,11 @@ def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
     if args.view == "cost":
         by = [b.strip() for b in args.by.split(",") if b.strip()]
         df = chargeback.cost_table(args.store, since, args.until, group_by=by, team=args.team,
-                                   caller=args.caller, model=args.model)
+                                   caller=args.caller, model=args.model, filters=_filters(args))
     elif args.view == "tokens":
         by = [b.strip() for b in args.by.split(",") if b.strip()]
         df = chargeback.usage_summary(args.store, since, args.until, group_by=by, team=args.team,
-                                      caller=args.caller, model=args.model)
+                                      caller=args.caller, model=args.model, filters=_filters(args))
     elif args.view == "gpu-hours":
         df = chargeback.gpu_hours_by_team(args.store, since, args.until, team=args.team, by_day=args.by_day)
     elif args.view == "top-callers":
@@ -115,6 +127,10 @@ def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
         (f", team {args.team}" if args.team else "")
     emit_frame(df, args.format, title)
     return 0
+
+
+def _filters(args: argparse.Namespace) -> dict[str, str | None]:
+    return {"version": args.version, "adapter": args.adapter, "tier": args.tier}
 
 
 def cmd_prices(args: argparse.Namespace, settings: Settings) -> int:
@@ -144,7 +160,7 @@ def cmd_export(args: argparse.Namespace, settings: Settings) -> int:
 def emit_frame(df: pd.DataFrame, fmt: str, title: str) -> None:
     """Print a DataFrame as a rich table, CSV or JSON records on stdout."""
     if fmt == "csv":
-        df.to_csv(sys.stdout, index=False)
+        df.to_csv(sys.stdout, index=False, float_format="%.6f")  # plain decimals, never 3e-06
     elif fmt == "json":
         out = df.copy()
         for col in out.columns:  # dates and timestamps as ISO strings

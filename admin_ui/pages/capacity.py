@@ -53,7 +53,7 @@ m[1].metric("GPU-hours", f"{s['gpu_hours']:,.0f}")
 m[2].metric("utilisation (day)", f"{s['daily_avg_utilisation']:.1%}",
             delta=f"{s['daily_avg_utilisation'] - capacity.UTILISATION_TARGET:+.1%} vs 60 % target")
 m[3].metric("interactive SLO met", f"{s['interactive_slo_attainment']:.2%}")
-m[4].metric("cost (USD)", f"{s['cost_usd']:,.0f}")
+m[4].metric(f"cost ({session.currency()})", f"{s['cost_usd']:,.0f}")
 left, right = st.columns(2)
 left.plotly_chart(charts.capacity_day(result.hourly), width="stretch")
 right.plotly_chart(charts.capacity_quality(result.hourly, capacity.UTILISATION_TARGET), width="stretch")

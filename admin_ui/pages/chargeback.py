@@ -1,61 +1,137 @@
-"""Chargeback: tokens by team over time (prefill / cached / decode), cost by team, model and adapter with
-the prices used, top callers; date range and team filters; CSV download."""
+"""Chargeback, as finance reads it in FinOps tools: cost over time stacked by team (month to date by default),
+filters for team, model, version, adapter, tier and caller (kept in the URL), unit cost per 1M tokens,
+monthly budgets per team with a month-end forecast and overrun warnings, GPU-hours with the idle share,
+and the line items as CSV or Parquet. One currency everywhere (FLEET_CURRENCY)."""
 import datetime as dt
 
 import streamlit as st
 
-from admin_ui import charts, session, usage_data
+from admin_ui import charts_history, chargeback_data as cd, session, url_state, usage_data
 
-ALL_TEAMS = "(all teams)"
-
+ALL = "(all)"
 session.require_login()
-session.header("Chargeback", "Token usage and cost per team from the usage store")
+session.header("Chargeback", "Cost per team from the usage store, priced per token kind")
+currency = session.currency()
+now = dt.datetime.now(dt.timezone.utc)
+first, last = cd.month_to_date(now.date())
 
-bounds = session.safe("the usage date range (usage store)", usage_data.date_bounds)
-today = dt.datetime.now(dt.timezone.utc).date()
-first, last = bounds if bounds else (today - dt.timedelta(days=30), today)
-c1, c2, c3 = st.columns([2, 2, 1])
-picked = c1.date_input("Date range (UTC, inclusive)", value=(first, last), key="cb_dates")
-teams = session.safe("teams (usage store)", usage_data.teams) or []
-team_pick = c2.selectbox("Team", [ALL_TEAMS, *teams], key="cb_team")
-granularity = c3.radio("Per", ["day", "hour"], horizontal=True, key="cb_granularity")
-since, until = (picked[0], picked[1]) if isinstance(picked, tuple) and len(picked) == 2 else (picked, picked)
-if isinstance(since, tuple):  # a half-chosen range: one day
-    since = until = since[0] if since else first
-team = None if team_pick == ALL_TEAMS else team_pick
+c = st.columns([2.2, 1, 1, 1, 1, 1, 1])
+picked = c[0].date_input("Days (UTC, inclusive)", key="cb_dates",
+                         value=(url_state.initial_date("since", first), url_state.initial_date("until", last)))
+since, until = (picked[0], picked[-1]) if isinstance(picked, tuple) and picked else (first, last)
+choices = session.safe("filter values (usage store)", cd.options, since, until) or {d: [] for d in cd.FILTER_DIMENSIONS}
+equal = {}
+for col, dim in zip(c[1:], cd.FILTER_DIMENSIONS):
+    values = [ALL, *choices[dim]]
+    start = url_state.initial(dim, ALL, values)
+    pick = col.selectbox(dim.capitalize(), values, index=values.index(start), key=f"cb_{dim}",
+                         format_func=lambda v, d=dim: "(base model)" if d == "adapter" and v == "" else v)
+    if pick != ALL:
+        equal[dim] = pick
+url_state.publish(since=since, until=until, **{d: equal.get(d) for d in cd.FILTER_DIMENSIONS if d != "adapter"},
+                  adapter=None if "adapter" not in equal else (equal["adapter"] or None))
+filters = cd.Filters(since, until, equal)
 
-if bounds is None and teams == []:
-    st.info("The usage store holds no requests yet.")
+totals = session.safe("the cost table (usage store)", cd.cost, filters, ())
+if totals is not None:
+    total = float(totals["cost_total"].sum()) if not totals.empty else 0.0
+    tokens = int(totals[cd.TOKEN_COLUMNS].sum().sum()) if not totals.empty else 0
+    m = st.columns(4)
+    m[0].metric(f"cost ({currency})", f"{total:,.6f}")
+    m[1].metric("requests", f"{int(totals['requests'].sum()) if not totals.empty else 0:,}")
+    m[2].metric("tokens", f"{tokens:,}")
+    m[3].metric(f"unit cost ({currency} / 1M tokens)", f"{total / tokens * 1e6:,.4f}" if tokens else "–")
+    if totals.empty:
+        st.info(f"No usage from {since} to {until} for these filters.")
 
-tokens = session.safe("tokens over time (usage store)", usage_data.tokens_over_time, since, until, team, granularity)
-if tokens is not None and not tokens.empty:
-    st.plotly_chart(charts.tokens_stacked(tokens), width="stretch")
+over_time = session.safe("cost over time (usage store)", cd.cost_over_time, filters)
+if over_time is not None and not over_time.empty:
+    st.plotly_chart(charts_history.cost_over_time(over_time, since, until, currency), width="stretch")
 
-st.subheader("Cost by team, model and adapter")
-costs = session.safe("the cost table (usage store)", usage_data.cost_table, since, until, team)
-if costs is not None:
-    if costs.empty:
-        st.info("No usage in this range.")
-    else:
-        total = costs["cost_total"].sum()
-        m1, m2, m3 = st.columns(3)
-        m1.metric("cost (price units)", f"{total:,.6f}")
-        m2.metric("requests", f"{int(costs['requests'].sum()):,}")
-        m3.metric("tokens", f"{int(costs[['prefill_tokens', 'cached_tokens', 'decode_tokens']].sum().sum()):,}")
-        st.dataframe(costs, hide_index=True, width="stretch")
-    st.download_button("Download CSV", costs.to_csv(index=False).encode(), key="cb_csv", mime="text/csv",
-                       file_name=f"chargeback_{since}_{until}{'_' + team if team else ''}.csv")
+st.subheader(f"Budgets this month ({now:%B %Y}, UTC)")
+status = session.safe("budgets (registry) and month-to-date cost", cd.budget_status, now, currency)
+if status is not None:
+    for row in status.itertuples():
+        if row.status == "over budget":
+            st.error(f"**{row.team}** is over budget: {cd.money(row.month_to_date)} of {cd.money(row.budget)} "
+                     f"{currency} spent; forecast {cd.money(row.forecast_month_end)} {currency} by month end.")
+        elif row.status == "will overrun":
+            st.warning(f"**{row.team}** will overrun its budget: forecast {cd.money(row.forecast_month_end)} "
+                       f"{currency} by month end against {cd.money(row.budget)} {currency} "
+                       f"({cd.money(row.month_to_date)} spent so far).")
+    left, right = st.columns([3, 2])
+    left.dataframe(status, hide_index=True, width="stretch", column_config={
+        "month_to_date": st.column_config.NumberColumn(f"month to date ({currency})", format="%.6f"),
+        "forecast_month_end": st.column_config.NumberColumn(f"forecast month end ({currency})", format="%.6f"),
+        "budget": st.column_config.NumberColumn(f"budget ({currency})", format="%.6f"),
+        "used_share": st.column_config.ProgressColumn("budget used", min_value=0.0, max_value=1.0,
+                                                      format="percent")})
+    if not status.empty:
+        right.plotly_chart(charts_history.budgets(status, currency), width="stretch")
+    st.caption("Forecast = month-to-date cost at the month-to-date run rate, extended to the month's end.")
+    if session.is_operator():
+        with st.form("budget_form"):
+            teams = sorted(set(status["team"]) | set(choices["team"]))
+            b = st.columns([2, 2, 1])
+            team = b[0].selectbox("Team", teams, key="budget_team") if teams else b[0].text_input("Team",
+                                                                                                  key="budget_team")
+            amount = b[1].number_input(f"Monthly budget ({currency})", min_value=0.0, max_value=1e12, value=0.0,
+                                       step=10.0, format="%.6f", key="budget_amount")
+            saved = b[2].form_submit_button("Set budget")
+        box = st.container()
+        if saved:
+            if not team:
+                box.error("Not changed: choose a team.")
+            else:
+                session.write(lambda: session.client().set_budget(team, float(amount)),
+                              f"budget of {team} set to {cd.money(amount)} {currency}", box)
+
+st.subheader("Cost by team, model, version, adapter and tier")
+breakdown = session.safe("the cost breakdown (usage store)", cd.cost, filters,
+                         ("team", "model", "version", "adapter", "tier"))
+if breakdown is not None and not breakdown.empty:
+    st.dataframe(breakdown, hide_index=True, width="stretch", column_order=[
+        "team", "model", "version", "adapter", "tier", "cost_total", "requests", "prefill_tokens", "cached_tokens",
+        "decode_tokens", "cost_prefill", "cost_cached", "cost_decode", "errors"], column_config={
+        c: st.column_config.NumberColumn(f"{c.removeprefix('cost_')} ({currency})" if c != "cost_total"
+                                         else f"cost ({currency})", format="%.6f")
+        for c in ("cost_total", "cost_prefill", "cost_cached", "cost_decode")})
 
 left, right = st.columns(2)
 with left:
-    st.subheader("Prices used (per 1M tokens)")
+    st.subheader("Unit cost per 1M tokens")
+    units = session.safe("unit costs (usage store)", cd.unit_costs, filters)
+    if units is not None:
+        st.dataframe(units, hide_index=True, width="stretch", column_config={
+            "cost_total": st.column_config.NumberColumn(f"cost ({currency})", format="%.6f"),
+            "cost_per_1m_tokens": st.column_config.NumberColumn(f"{currency} / 1M tokens", format="%.4f")})
+with right:
+    st.subheader("GPU-hours by team")
+    hours = session.safe("GPU-hours (usage store)", cd.gpu_hours, filters)
+    if hours is not None:
+        if hours.empty:
+            st.info("No GPU-hours recorded for these days (`fleet usage gpu-hours` or the autoscaler record them).")
+        else:
+            idle = float(hours.loc[hours["team"] == "(idle)", "share"].sum())
+            st.caption(f"Idle share: **{idle:.1%}** of the fleet's GPU-hours had no traffic (team `(idle)`). "
+                       "GPU-hours follow the days and team filters only.")
+            st.dataframe(hours, hide_index=True, width="stretch", column_config={
+                "share": st.column_config.ProgressColumn("share", min_value=0.0, max_value=1.0, format="percent"),
+                "gpu_hours": st.column_config.NumberColumn("GPU-hours", format="%.3f")})
+
+with st.expander(f"Prices used ({currency} per 1M tokens)"):
     prices = session.safe("prices (usage store)", usage_data.prices)
     if prices is not None:
         st.dataframe(prices, hide_index=True, width="stretch")
-        st.caption('The "\\*" row prices every model that has no row of its own.')
-with right:
-    st.subheader("Top callers")
-    top = session.safe("top callers (usage store)", usage_data.top_callers, since, until, team)
-    if top is not None:
-        st.dataframe(top[["caller", "team", "requests", "cost_total"]] if not top.empty else top,
-                     hide_index=True, width="stretch")
+        st.caption('The "\\*" row prices every model without a row of its own; set with `fleet usage prices --set`.')
+
+st.subheader("Export")
+lines = session.safe("line items (usage store)", cd.export_frame, filters, currency)
+if lines is not None:
+    name = f"chargeback_{since}_{until}"
+    e = st.columns([1, 1, 4])
+    e[0].download_button("Download CSV", cd.to_csv(lines), file_name=f"{name}.csv", mime="text/csv", key="cb_csv")
+    e[1].download_button("Download Parquet", cd.to_parquet(lines), file_name=f"{name}.parquet",
+                         mime="application/vnd.apache.parquet", key="cb_parquet")
+    e[2].caption(f"{len(lines)} line items: one per day, team, caller, model, version, adapter and tier; "
+                 f"columns period, tier and currency ({currency}); money with 6 plain decimals.")

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from autoscale.actuators import PoolSpec, ReplicaCounts
-from common.settings import REPO_ROOT, Settings
+from common.settings import REPO_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ POOL_LABEL = "fleet.ai/pool"
 TP_GROUP_LABEL = "fleet.ai/tp-group"
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 REGION_LABEL = "topology.kubernetes.io/region"
-DEFAULT_IMAGE = Settings.model_fields["replica_image"].default  # FLEET_REPLICA_IMAGE overrides (autoscale cli)
+DEFAULT_IMAGE = "registry.example.com/llm-fleet-gpu:0.1.0-trtllm0.17"  # `fleet autoscale run --image` overrides
 GRPC_PORT, HTTP_PORT, METRICS_PORT = 8001, 8000, 8002
 
 
@@ -83,7 +83,7 @@ def _ready_at(pod: Any) -> datetime | None:
 class KubernetesActuator:
     """Scales one Deployment per pool. `api_client` lets tests point it at a recorded API server."""
 
-    def __init__(self, namespace: str = "llm", api_client: Any | None = None, image: str = DEFAULT_IMAGE,
+    def __init__(self, namespace: str = "llm", api_client: Any | None = None, image: str | None = None,
                  db_url: str | None = None) -> None:
         from kubernetes import client, config
 
@@ -95,7 +95,7 @@ class KubernetesActuator:
             api_client = client.ApiClient()
         self.apps = client.AppsV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
-        self.namespace, self.image, self.db_url = namespace, image, db_url
+        self.namespace, self.image, self.db_url = namespace, image or DEFAULT_IMAGE, db_url
         self._cold_starts: dict[str, list[float]] = {}
         self._measured: set[str] = set()
 

@@ -1,13 +1,16 @@
-"""Engine benchmark: the same workload against our engine through Triton, transformers `generate` with static
-batches, and llama.cpp's `llama-server --parallel N`, one after another in one run, at several concurrencies.
+"""Engine benchmark on the CPU: the same workloads against our engine through Triton, transformers `generate`
+with static batches, and llama.cpp's `llama-server --parallel N`, one after another in one run, each with the
+same CPU threads; the load average is recorded before every system's run.
 
-Workload: Poisson arrivals, prompts of 100-1,000 tokens (half share a 300-token system prompt), outputs of
-16-256 tokens with EOS ignored. Reports throughput (output tokens/s over the makespan), TTFT and inter-token
-latency p50/p95, peak RSS of each system's processes, prefix-cache savings and KV overhead of our engine.
-Writes bench/results/engine-<timestamp>.json and the `## Engine` table of docs/benchmarks.md.
+Workloads (`--workloads`): `burst` = N chat-sized prompts (20-60 tokens) all sent at once, 128 output tokens
+each; `poisson` = Poisson arrivals, prompts of 100-1,000 tokens (half share a 300-token system prompt), outputs
+of 16-256 tokens. EOS ignored everywhere. Reports throughput (output tokens/s over the makespan), TTFT and
+inter-token latency p50/p95, peak RSS of each system's processes, prefix-cache savings and KV overhead of our
+engine. Writes bench/results/engine-<timestamp>.json and the `### CPU` part of docs/benchmarks.md's `## Engine`.
+The GPU mode is bench/engine/gpu_bench.py.
 
-    python -m bench.engine.bench_engine                        # default: concurrency 32, 8, 1
-    python -m bench.engine.bench_engine --concurrency 32 --requests 64 --systems engine,hf,llama
+    python -m bench.engine.bench_engine                        # burst at 32, Poisson at 32, 8, 1
+    python -m bench.engine.bench_engine --workloads burst --concurrency 32 --systems engine,hf,llama
 """
 from __future__ import annotations
 
@@ -24,12 +27,12 @@ from pathlib import Path
 import psutil
 
 from bench.engine.peers import Result, run_llama_server, run_triton, summarize
-from bench.engine.workload import make_workload
+from bench.engine.report_doc import cpu_section, replace_subsection
+from bench.engine.workload import Request, make_burst, make_workload
 from common.processes import free_port, stop_pid
 from common.settings import REPO_ROOT, load_settings
 
 RESULTS = REPO_ROOT / "bench" / "results"
-DOC = REPO_ROOT / "docs" / "benchmarks.md"
 
 
 class RssSampler:
@@ -74,18 +77,20 @@ def bench_engine(settings, weights: Path, workloads: dict, args) -> dict:
     run_dir = settings.data_dir / "bench-engine"
     repo = render_repository(run_dir / "repo", cpu_values(weights, REPO_ROOT / "adapters" / "smollm2-135m", 2048,
                                                           args.dtype), steps=("engine",))
-    for conc, reqs in workloads.items():
+    for key, (conc, reqs) in workloads.items():
         base = free_port()
         env = {"FLEET_ENGINE_NUM_KV_BLOCKS": str(args.kv_blocks), "FLEET_ENGINE_MAX_NUM_SEQS": str(max(conc, 1)),
                "FLEET_ENGINE_MAX_NUM_BATCHED_TOKENS": str(args.step_tokens), "FLEET_ENGINE_THREADS": str(args.threads),
                "OMP_NUM_THREADS": str(args.threads)}
-        proc = start_triton(settings, repo, base, run_dir / f"triton-{conc}.log", extra_env=env)
+        load = [round(x, 1) for x in os.getloadavg()]
+        proc = start_triton(settings, repo, base, run_dir / f"triton-{key}.log", extra_env=env)
         rss = RssSampler(proc.pid)
         try:
             results = run_triton(f"127.0.0.1:{base + 1}", reqs, conc)
             metrics_url = f"http://127.0.0.1:{base + 2}/metrics"
             time.sleep(0.5)
             s = summarize(results)
+            s["load_avg_before"] = load
             s["peak_rss_mb"] = rss.stop() / 2**20
             s["kv_overhead_max"] = _metric(metrics_url, "fleet_engine_kv_overhead_max")
             s["preemptions"] = _metric(metrics_url, "fleet_engine_preemptions_total")
@@ -95,17 +100,19 @@ def bench_engine(settings, weights: Path, workloads: dict, args) -> dict:
         finally:
             rss.stop()
             stop_pid(proc.pid)
-        out[str(conc)] = s
-        print(f"engine  c={conc}: {json.dumps(s)}", flush=True)
+        out[key] = s
+        print(f"engine  {key}: {json.dumps(s)}", flush=True)
     return out
 
 
 def bench_hf(weights: Path, workloads: dict, args) -> dict:
     out = {}
-    for conc, reqs in workloads.items():
-        tmp = RESULTS / f".hf-{os.getpid()}-{conc}.json"
+    for key, (conc, reqs) in workloads.items():
+        tmp = RESULTS / f".hf-{os.getpid()}-{key}.json"
+        load = [round(x, 1) for x in os.getloadavg()]
         proc = subprocess.Popen([sys.executable, "-m", "bench.engine.bench_engine", "--hf-worker", str(weights),
                                  "--hf-batch", str(conc), "--hf-out", str(tmp), "--requests", str(len(reqs)),
+                                 "--hf-workload", key.split("-")[0], "--burst-output", str(args.burst_output),
                                  "--rate", str(args.rate), "--seed", str(args.seed), "--dtype", args.dtype,
                                  "--threads", str(args.threads), "--output-max", str(args.output_max),
                                  "--prompt-max", str(args.prompt_max)],
@@ -117,8 +124,9 @@ def bench_hf(weights: Path, workloads: dict, args) -> dict:
         tmp.unlink()
         s = summarize([Result(**d) for d in data])
         s["peak_rss_mb"] = peak / 2**20
-        out[str(conc)] = s
-        print(f"hf      c={conc}: {json.dumps(s)}", flush=True)
+        s["load_avg_before"] = load
+        out[key] = s
+        print(f"hf      {key}: {json.dumps(s)}", flush=True)
     return out
 
 
@@ -128,9 +136,10 @@ def bench_llama(settings, workloads: dict, args) -> dict:
 
     binary = build()
     out = {}
-    for conc, reqs in workloads.items():
+    for key, (conc, reqs) in workloads.items():
         port = free_port()
-        log = open(settings.data_dir / f"llama-server-{conc}.log", "w")
+        load = [round(x, 1) for x in os.getloadavg()]
+        log = open(settings.data_dir / f"llama-server-{key}.log", "w")
         proc = subprocess.Popen([str(binary), "-m", str(smollm2_gguf()), "--parallel", str(conc), "-c",
                                  str(conc * 1400), "--threads", str(args.threads), "--threads-batch", str(args.threads), "--port", str(port),
                                  "--host", "127.0.0.1"],
@@ -148,72 +157,34 @@ def bench_llama(settings, workloads: dict, args) -> dict:
         try:
             s = summarize(run_llama_server(url, reqs, conc))
             s["peak_rss_mb"] = rss.stop() / 2**20
+            s["load_avg_before"] = load
         finally:
             rss.stop()
             stop_pid(proc.pid)
-        out[str(conc)] = s
-        print(f"llama   c={conc}: {json.dumps(s)}", flush=True)
+        out[key] = s
+        print(f"llama   {key}: {json.dumps(s)}", flush=True)
     return out
 
 
 def write_doc(report: dict, command: str) -> None:
-    rows = ["| concurrency | system | tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | peak RSS MB |",
-            "|---|---|---|---|---|---|---|---|"]
-    f = lambda v, d=0: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-    for conc in report["concurrency"]:
-        for system in ("engine", "hf", "llama"):
-            s = report["systems"].get(system, {}).get(str(conc))
-            if s:
-                rows.append(f"| {conc} | {system} | {f(s['throughput_tok_s'], 1)} | {f(s['ttft_ms_p50'])} | "
-                            f"{f(s['ttft_ms_p95'])} | {f(s['itl_ms_p50'], 1)} | {f(s['itl_ms_p95'], 1)} | "
-                            f"{f(s['peak_rss_mb'])} |")
-    notes = []
-    for conc in report["concurrency"]:
-        e = report["systems"].get("engine", {}).get(str(conc))
-        if not e:
-            continue
-        parts = []
-        for peer in ("hf", "llama"):
-            p = report["systems"].get(peer, {}).get(str(conc))
-            if p and p["throughput_tok_s"]:
-                parts.append(f"throughput {e['throughput_tok_s'] / p['throughput_tok_s']:.2f}x {peer}")
-                if p.get("ttft_ms_p95"):
-                    parts.append(f"TTFT p95 {e['ttft_ms_p95'] / p['ttft_ms_p95']:.2f}x {peer}")
-        parts.append(f"prefix cache saved {100 * e['prefix_saved_shared']:.0f} % of the shared-prompt requests' "
-                     f"prefill ({100 * e['prefix_saved_all']:.0f} % of all prompt tokens)")
-        if e.get("kv_overhead_max"):
-            parts.append(f"KV blocks in use / resident tokens max {e['kv_overhead_max']:.3f}x")
-        if conc == 1 and e.get("itl_ms_p50"):
-            parts.append(f"single-stream decode {1000 / e['itl_ms_p50']:.1f} tok/s (1 / ITL p50)")
-        notes.append(f"- c={conc}: " + ", ".join(parts))
-    notes += [f"- {n}" for n in report.get("notes", [])]
-    about = ("Our engine (python_backends/engine, served by tritonserver as the decoupled model `engine`, driven over "
-             "gRPC streaming) vs transformers `generate` with static batches (batch = concurrency, left padding, "
-             "runs to the longest output of the batch) vs llama.cpp `llama-server --parallel N` (Q4_1 GGUF, "
-             "`cache_prompt`). Same token-id workload for all: Poisson arrivals, prompts of 100-1,000 tokens, half "
-             "with one shared 300-token system prompt, outputs of 16-256 tokens with EOS ignored. Throughput = "
-             "output tokens / makespan; TTFT from arrival (client-side queueing included); ITL = gaps between "
-             "streamed tokens; peak RSS of each system's processes.")
-    section = "\n".join(["## Engine", "", about, "", f"Command: `{command}`  ", f"Run: {report['started']} "
-                         f"(machine shared with other jobs; load average at start {report['load_avg']}), "
-                         f"requests per concurrency level {report['requests_per_level']}, Poisson rate {report['rate']}/s, "
-                         f"dtype {report['dtype']}, {report['threads']} CPU thread(s) per system.", "",
-                         *rows, "", *notes, "", f"Raw results: `{report['path']}`", ""])
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\n"
-    if "## Engine" in text:
-        head, rest = text.split("## Engine", 1)
-        tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
-        text = head + section + ("\n" + tail.lstrip("\n") if tail else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
+    replace_subsection("CPU", cpu_section(report, command))
+
+
+def build_workload(kind: str, n: int, args) -> list[Request]:
+    """The same request list in every process (the HF worker rebuilds it from the same arguments)."""
+    if kind == "burst":
+        return make_burst(n, args.seed, output_tokens=args.burst_output)
+    return make_workload(n, args.rate, args.seed, output_range=(16, args.output_max),
+                         prompt_range=(100, args.prompt_max))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 8, 1])
-    parser.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
+    parser.add_argument("--workloads", default="burst,poisson", help="burst, poisson or both (comma-separated)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 8, 1], help="Poisson levels")
+    parser.add_argument("--burst-streams", type=int, default=32, help="requests (= concurrency) of the burst")
+    parser.add_argument("--burst-output", type=int, default=128, help="output tokens per burst request")
+    parser.add_argument("--requests", type=int, default=64, help="requests per Poisson level")
     parser.add_argument("--requests-c1", type=int, default=12, help="requests at concurrency 1 (slow)")
     parser.add_argument("--requests-per-level", default="", help="e.g. 32:64,8:32,1:8 (overrides the two above)")
     parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s")
@@ -229,13 +200,13 @@ def main() -> None:
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     parser.add_argument("--hf-batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--hf-out", help=argparse.SUPPRESS)
+    parser.add_argument("--hf-workload", default="poisson", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hf_worker:
         from dataclasses import asdict
 
         from bench.engine.peers import hf_worker
-        reqs = make_workload(args.requests, args.rate, args.seed, output_range=(16, args.output_max),
-                             prompt_range=(100, args.prompt_max))
+        reqs = build_workload(args.hf_workload, args.requests, args)
         results = hf_worker(args.hf_worker, reqs, args.hf_batch, args.dtype, args.threads)
         Path(args.hf_out).write_text(json.dumps([asdict(r) for r in results]))
         return
@@ -247,14 +218,19 @@ def main() -> None:
     weights = settings.cache_dir / "smollm2-135m-bf16"
     counts = {int(k): int(v) for k, v in (item.split(":") for item in args.requests_per_level.split(","))} \
         if args.requests_per_level else {}
-    workloads = {c: make_workload(counts.get(c, args.requests_c1 if c == 1 else args.requests), args.rate, args.seed,
-                                  output_range=(16, args.output_max), prompt_range=(100, args.prompt_max))
-                 for c in args.concurrency}
+    kinds = args.workloads.split(",")
+    levels: dict[str, tuple[int, list[Request]]] = {}
+    if "burst" in kinds:
+        levels[f"burst-{args.burst_streams}"] = (args.burst_streams, build_workload("burst", args.burst_streams, args))
+    if "poisson" in kinds:
+        for c in args.concurrency:
+            n = counts.get(c, args.requests_c1 if c == 1 else args.requests)
+            levels[f"poisson-{c}"] = (c, build_workload("poisson", n, args))
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     report = {"started": started, "load_avg": [round(x, 1) for x in os.getloadavg()], "dtype": args.dtype,
-              "concurrency": args.concurrency, "requests": args.requests, "requests_c1": args.requests_c1,
+              "levels": list(levels), "requests": args.requests, "requests_c1": args.requests_c1,
               "rate": args.rate, "threads": args.threads, "systems": {}}
-    report["requests_per_level"] = {str(c): len(w) for c, w in workloads.items()}
+    report["requests_per_level"] = {k: len(w) for k, (_, w) in levels.items()}
     systems = args.systems.split(",")
     runners = {"engine": lambda w: bench_engine(settings, weights, w, args), "hf": lambda w: bench_hf(weights, w, args),
                "llama": lambda w: bench_llama(settings, w, args)}
@@ -265,12 +241,12 @@ def main() -> None:
     report["command"] = command.strip()
     # level by level, every system at one level before the next, written after each level: a long run
     # that is stopped early still leaves complete comparisons
-    for conc, reqs in workloads.items():
+    for key, level in levels.items():
         for system in systems:
-            report["systems"].setdefault(system, {}).update(runners[system]({conc: reqs}))
+            report["systems"].setdefault(system, {}).update(runners[system]({key: level}))
         path.write_text(json.dumps(report, indent=2))
         write_doc(report, command.strip())
-    print(f"wrote {path} and {DOC}")
+    print(f"wrote {path} and docs/benchmarks.md")
 
 
 if __name__ == "__main__":

@@ -273,7 +273,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny model and workload (CPU, seconds)")
     ap.add_argument("--out", type=Path, default=None, help="write all results here as JSON")
+    ap.add_argument("--doc-from", type=Path, help="only render docs/benchmarks.md's `### GPU` from a results JSON")
     args = ap.parse_args()
+    if args.doc_from:
+        from bench.engine.report_doc import gpu_section, replace_subsection
+        from common.settings import REPO_ROOT
+        results = json.loads(args.doc_from.read_text())
+        replace_subsection("GPU", gpu_section(results, "bash bench/engine/gpu_suite.sh  # = python -m "
+                                              "bench.engine.gpu_bench after the CUDA tests",
+                                              str(args.doc_from.resolve().relative_to(REPO_ROOT))))
+        return
     if args.smoke:
         args.models, args.concurrency, args.prompt_len, args.gen_len, args.step_tokens = ["tiny"], [2, 4], 40, 8, 32
         args.repeats = 1

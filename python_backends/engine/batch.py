@@ -1,6 +1,5 @@
-"""What one engine step computes: each sequence's chunk of tokens (`SeqChunk`, built by the engine) and the
-packed batch the model runner and the CUDA decode graphs run (`ForwardBatch`). Kept below both, so the
-runner and cuda_graphs.py share the type without importing each other."""
+"""What one step hands the model runner: each sequence's chunk (SeqChunk) and the flattened, device-resident
+metadata of the whole step (ForwardBatch). Shared by the model runner and the CUDA-graph runner."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from python_backends.engine.batch import ForwardBatch
-
-if TYPE_CHECKING:  # type only: model_runner imports this module when it captures graphs
-    from python_backends.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +27,8 @@ def buckets_for(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: "ModelRunner", max_batch: int):
+    def __init__(self, runner: Any, max_batch: int):
+        """runner: the ModelRunner whose forward_eager is captured."""
         self.runner = runner
         dev = runner.device
         self.max_batch = max_batch

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -21,12 +22,11 @@ def resolve_device(name: str) -> torch.device:
     name = (name or "cpu").strip().lower()
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"engine device {name!r} requested but torch sees no CUDA device")
-    if dev.type not in ("cpu", "cuda"):
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
         raise ValueError(f"engine device {name!r}: allowed are cpu, cuda, cuda:N, auto")
-    return dev
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"engine device {name!r} requested but torch sees no CUDA device")
+    return torch.device(name)
 
 
 @functools.lru_cache(maxsize=1)

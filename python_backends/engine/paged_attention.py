@@ -20,12 +20,11 @@ import torch
 log = logging.getLogger(__name__)
 _use_dot = True
 
-try:
+try:                       # CUDA images carry Triton; CPU installs normally do not (then the CPU path serves)
     import triton
     import triton.language as tl
-except ImportError:        # CPU-only installs: the CUDA path is never taken there
-    triton = None
-    tl = None
+except ImportError:
+    triton = tl = None
 
 if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt"])

@@ -34,7 +34,6 @@ class ReplicaSettings(BaseSettings):
     version: str = ""
     region: str = "local"
     router_urls: str = ""  # comma separated router base URLs
-    router_admin_token: str = ""  # GPU reporter's drain mode only: an operator token for the routers' admin API
 
     def identity(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "model": self.model, "version": self.version, "region": self.region,

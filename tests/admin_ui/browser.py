@@ -1,5 +1,6 @@
 """Drive the running admin UI in headless Chromium (Debian's /usr/bin/chromium through Playwright):
-sign in, open every page from the sidebar, collect Streamlit exceptions and error boxes, take screenshots."""
+sign in, open every page from the sidebar, collect Streamlit exceptions and error boxes, take screenshots,
+reload to check the session survives, open deep links, read metrics and warnings, count write controls."""
 from __future__ import annotations
 
 import time
@@ -9,7 +10,8 @@ from pathlib import Path
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
-WRITE_BUTTONS = ("Apply percent", "Apply split", "Promote…", "Roll back…", "Save", "Apply")
+WRITE_BUTTONS = ("Apply percent…", "Apply split…", "Promote…", "Roll back…", "Save", "Apply…", "Set budget",
+                 "Save rule", "Confirm")
 VIEWPORT = {"width": 1440, "height": 900}
 # sidebar label -> screenshot slug and the page's title (h1) to wait for
 PAGES = {"Fleet": ("fleet", "Fleet"), "Models & rollouts": ("rollouts", "Models & rollouts"),
@@ -23,7 +25,9 @@ class PageReport:
     screenshot: Path
     exceptions: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    write_controls: int = 0  # buttons that change the fleet (Apply, Promote…, Roll back…, Save)
+    write_controls: int = 0  # buttons that change the fleet (Apply…, Promote…, Roll back…, Save, Set budget…)
+    warnings: list[str] = field(default_factory=list)
+    metrics: dict[str, str] = field(default_factory=dict)
 
 
 def _settle(page, timeout_s: float = 60.0) -> None:
@@ -51,6 +55,10 @@ def _charts_drawn(page, timeout_s: float = 15.0) -> None:
 def _report(page, name: str, out: Path) -> PageReport:
     exceptions = [e.inner_text()[:500] for e in page.locator('[data-testid="stException"]').all()]
     errors = [e.inner_text()[:500] for e in page.locator('[data-testid="stAlertContentError"]').all()]
+    warnings = [e.inner_text()[:500] for e in page.locator('[data-testid="stAlertContentWarning"]').all()]
+    metrics = {m.locator('[data-testid="stMetricLabel"]').inner_text().strip():
+               m.locator('[data-testid="stMetricValue"]').inner_text().strip()
+               for m in page.locator('[data-testid="stMetric"]').all()}
     # Streamlit scrolls inside its main block, so grow the viewport to the content for a whole-page shot.
     height = page.evaluate("""() => { const m = document.querySelector('[data-testid="stMain"]')
         || document.querySelector('section.main'); return m ? m.scrollHeight : document.body.scrollHeight; }""")
@@ -59,8 +67,10 @@ def _report(page, name: str, out: Path) -> PageReport:
     _charts_drawn(page)
     page.screenshot(path=str(out), full_page=True)
     page.set_viewport_size(VIEWPORT)
-    writes = sum(page.get_by_role("button", name=n, exact=True).count() for n in WRITE_BUTTONS)
-    return PageReport(name, out, exceptions, errors, writes)
+    # every button in the DOM, hidden tabs included, whose text is a write control's label
+    labels = [b.inner_text().strip() for b in page.locator("button").all()]
+    writes = sum(label in WRITE_BUTTONS for label in labels)
+    return PageReport(name, out, exceptions, errors, writes, warnings, metrics)
 
 
 def _sign_in(page, token: str) -> None:
@@ -75,14 +85,22 @@ def _open(page, label: str) -> None:
     _settle(page)
 
 
-def capture_admin_ui(ui_url: str, token: str, out_dir: Path, simulate: bool = True, timeout_s: float = 90.0,
-                     viewer_token: str | None = None) -> list[PageReport]:
-    """Sign in with `token`, visit the login page and every page, screenshot each to out_dir/admin-<slug>.png;
-    with `viewer_token`, sign out, sign in as a viewer and add admin-rollouts-viewer.png."""
+@dataclass
+class Tour:
+    reports: list[PageReport]
+    reload_kept_session: bool = False
+    deep_link: PageReport | None = None
+    viewer: list[PageReport] = field(default_factory=list)
+
+
+def tour_admin_ui(ui_url: str, token: str, viewer_token: str, out_dir: Path, deep_link: str,
+                  simulate: bool = True, timeout_s: float = 90.0) -> Tour:
+    """As an operator: the login page, every page (screenshots out_dir/admin-<slug>.png), a reload, and the
+    chargeback deep link `deep_link` (path + query, e.g. '/chargeback?team=search'); then as a viewer:
+    every page again (admin-<slug>-viewer.png for rollouts), counting write controls."""
     from playwright.sync_api import sync_playwright
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    reports: list[PageReport] = []
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
@@ -91,7 +109,7 @@ def capture_admin_ui(ui_url: str, token: str, out_dir: Path, simulate: bool = Tr
             page.goto(ui_url)
             page.get_by_label("Admin or viewer token").wait_for()
             _settle(page)
-            reports.append(_report(page, "login", out_dir / "admin-login.png"))
+            tour = Tour([_report(page, "login", out_dir / "admin-login.png")])
             _sign_in(page, token)
             for label, (slug, _title) in PAGES.items():
                 _open(page, label)
@@ -99,13 +117,26 @@ def capture_admin_ui(ui_url: str, token: str, out_dir: Path, simulate: bool = Tr
                     page.get_by_role("button", name="Simulate").click()
                     page.get_by_text("peak GPUs").wait_for(timeout=timeout_s * 1000)
                     _settle(page)
-                reports.append(_report(page, slug, out_dir / f"admin-{slug}.png"))
-            if viewer_token:
-                page.get_by_role("button", name="Sign out").click()
-                page.get_by_label("Admin or viewer token").wait_for()
-                _sign_in(page, viewer_token)
-                _open(page, "Models & rollouts")
-                reports.append(_report(page, "rollouts-viewer", out_dir / "admin-rollouts-viewer.png"))
+                tour.reports.append(_report(page, slug, out_dir / f"admin-{slug}.png"))
+            page.reload()  # a new Streamlit session: the cookie must sign it in again
+            page.get_by_role("heading", name="Capacity", exact=True).wait_for()
+            _settle(page)
+            tour.reload_kept_session = page.get_by_label("Admin or viewer token").count() == 0
+            page.goto(ui_url.rstrip("/") + deep_link)
+            page.get_by_role("heading", name="Chargeback", exact=True).wait_for()
+            _settle(page)
+            tour.deep_link = _report(page, "chargeback-filtered", out_dir / "admin-chargeback-filtered.png")
+            page.get_by_role("button", name="Sign out").click()
+            page.get_by_label("Admin or viewer token").wait_for()
+            _sign_in(page, viewer_token)
+            for label, (slug, _title) in PAGES.items():
+                if slug == "capacity":
+                    continue
+                _open(page, label)
+                shot = out_dir / f"admin-{slug}-viewer.png"
+                tour.viewer.append(_report(page, f"{slug}-viewer", shot))
+                if slug != "rollouts":
+                    shot.unlink()  # only the rollouts page's viewer shot goes in the docs
         finally:
             browser.close()
-    return reports
+    return tour

@@ -89,5 +89,6 @@ def platform_env(data_dir: Path) -> dict[str, str]:
     env.update(FLEET_DATA_DIR=str(data_dir), FLEET_ROUTER_HTTP_PORT=str(base), FLEET_ROUTER_GRPC_PORT=str(base + 1),
                FLEET_ADMIN_UI_PORT=str(base + 2), FLEET_KAFKA_PORT=str(base + 3),
                FLEET_REPLICA_BASE_PORT=str(base + 10),
+               FLEET_METRICS_SCRAPE_S="2",  # the Fleet history fills within seconds
                FLEET_AUTOSCALER="off")  # tests that kill or count replicas must not race a live autoscaler
     return env

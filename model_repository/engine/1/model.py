@@ -58,6 +58,9 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
         self.config = EngineConfig.from_params(params, engine_overrides())  # FLEET_ENGINE_* read once, here
+        if args.get("model_instance_kind") == "GPU" and self.config.device in ("cuda", "auto"):
+            # KIND_GPU: Triton places each instance on a GPU of its own; the engine follows that choice
+            self.config.device = f"cuda:{args.get('model_instance_device_id', 0)}"
         self.engine = LLMEngine(self.config)
         identity = identity_from_env()
         labels = {"replica_id": identity["replica_id"], "model": identity["model"] or "engine"}
