@@ -91,6 +91,7 @@ class ModelRunner:
             c[:, :, :block_size].zero_()
             c[:, :, num_blocks * block_size:].zero_()
         self.paged = self.device.type == "cuda" and paged_attention.available()
+        self.zeroed_blocks: set[int] = {0}                # CPU path: blocks whose unwritten slots are zero
         self.staging = Staging(self.device)
         self.graphs = None                                # cuda_graphs.DecodeGraphs, set by capture_graphs
         self.graph_error = ""
@@ -199,6 +200,16 @@ class ModelRunner:
 
     def _prepare_cpu_attention(self, batch: ForwardBatch, chunks: list[SeqChunk], n_decode: int) -> None:
         bs = self.block_size
+        # The CPU path reads whole blocks, masking the unwritten tail of each sequence's last block; masked
+        # weights are 0, but 0 * NaN is NaN, and a pool from torch.empty (pages stay unresident until used)
+        # may hold any bits. A block is zeroed once, the first time it is a chunk's last block: every slot
+        # that is ever read masked then holds a finite value (zero or an earlier owner's K/V).
+        for c in chunks:
+            last = c.block_table[(c.start + len(c.token_ids) - 1) // bs]
+            if last not in self.zeroed_blocks:
+                self.k_cache[:, :, last * bs:(last + 1) * bs].zero_()
+                self.v_cache[:, :, last * bs:(last + 1) * bs].zero_()
+                self.zeroed_blocks.add(last)
         if n_decode:
             lens = [c.start + 1 for c in chunks[:n_decode]]
             nbmax = -(-max(lens) // bs)

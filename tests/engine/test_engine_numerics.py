@@ -98,3 +98,19 @@ def test_kv_pool_sizing_and_device_errors():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             resolve_device("cuda")
+
+
+def test_unwritten_pool_memory_never_reaches_outputs(tmp_path):
+    """The pool comes from torch.empty: poison it with NaN (block 0, the padding block, excepted) and the CPU
+    path still reproduces transformers' greedy ids in a mixed batch (whole-block reads mask unwritten slots)."""
+    import random
+
+    from tests.engine.random_llama import engine_on, hf_greedy, hf_model, run_all
+    model = hf_model("cpu")
+    eng = engine_on(model, tmp_path, "cpu", max_num_batched_tokens=24)
+    bs = eng.runner.block_size
+    for cache in (eng.runner.k_cache, eng.runner.v_cache):
+        cache[:, :, bs:].fill_(float("nan"))
+    rng = random.Random(8)
+    reqs = [([rng.randrange(3, 2000) for _ in range(n)], g, "") for n, g in ((30, 6), (11, 9), (45, 5))]
+    assert run_all(eng, reqs) == [hf_greedy(model, p, g) for p, g, _ in reqs]
