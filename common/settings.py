@@ -101,10 +101,6 @@ class Settings(BaseSettings):
     def viewer_token_file(self) -> Path:
         return self.data_dir / "viewer-token"
 
-    def operator_token(self) -> str | None:
-        """The operator token (FLEET_ADMIN_TOKEN or the admin-token file), for services that call the admin API."""
-        return next((t for t, role in self.admin_tokens().items() if role == "operator"), None)
-
     def admin_tokens(self) -> dict[str, str]:
         """token -> role (`operator`, `viewer`): from FLEET_ADMIN_TOKEN / FLEET_VIEWER_TOKEN, else the data
         dir's token files (written by `fleet seed`). The router's admin API and the admin UI both use this."""
@@ -118,6 +114,10 @@ class Settings(BaseSettings):
             if token:
                 tokens[token] = role
         return tokens
+
+    def operator_token(self) -> str | None:
+        """The operator token (FLEET_ADMIN_TOKEN or the admin-token file), for services that call the admin API."""
+        return next((t for t, role in self.admin_tokens().items() if role == "operator"), None)
 
 
 def env_name(cls: type[BaseSettings], field: str) -> str:
