@@ -176,8 +176,7 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
         from autoscale.actuators.kubernetes import KubernetesActuator
 
         actuator = KubernetesActuator(args.namespace, image=args.image, db_url=settings.db_url)
-    # FLEET_ADMIN_TOKEN (a Secret in Kubernetes), else the data dir's token file
-    token = next((t for t, role in settings.admin_tokens().items() if role == "operator"), None)
+    token = settings.operator_token()  # FLEET_ADMIN_TOKEN (a Secret in Kubernetes), else the data dir's file
     from autoscale.live_inputs import forecasts_from_usage
 
     forecasts = forecasts_from_usage(settings.usage_db_path, pools, args.history_weeks) if args.history_weeks else {}

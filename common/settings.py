@@ -128,6 +128,10 @@ class Settings(BaseSettings):
                 tokens[token] = role
         return tokens
 
+    def operator_token(self) -> str | None:
+        """The operator token (FLEET_ADMIN_TOKEN or the admin-token file), for services that call the admin API."""
+        return next((t for t, role in self.admin_tokens().items() if role == "operator"), None)
+
 
 def env_name(cls: type[BaseSettings], field: str) -> str:
     """The environment variable that sets `field` of a settings class."""

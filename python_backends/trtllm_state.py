@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if not identity["routers"]:
         ap.error("FLEET_ROUTER_URLS is empty: set the routers' internal URLs (comma-separated)")
     if args.mode == "drain":
-        token = next((t for t, role in load_settings().admin_tokens().items() if role == "operator"), "")
+        token = load_settings().operator_token()
         if not token:
             ap.error("no operator token: set FLEET_ADMIN_TOKEN (the drain call uses the router's admin API)")
         return 0 if drain(args.metrics_url, identity, token, args.timeout) else 1
