@@ -76,14 +76,18 @@ class Router:
             raise RouterError("unauthenticated", "unknown API key")
         return caller
 
+    def resolve_model(self, caller: CallerInfo, req: GenerateRequest) -> ModelInfo:
+        """The version `req` runs on (visibility rules), splitting by the shares versions can carry now."""
+        home = home_region(caller.region, self.region)
+        return resolve_model(self.registry.snapshot, caller, req,
+                             lambda: {r.version: r.effective for r in self.readiness(req.model, home)})
+
     async def prepare(self, caller: CallerInfo, req: GenerateRequest) -> Prepared:
         """Validate, tokenise, check quota, and wait for a replica slot (admission queue)."""
         arrived = time.monotonic()
         try:
             self.gateway.check_rate(caller.name)
-            home = home_region(caller.region, self.region)
-            model = resolve_model(self.registry.snapshot, caller, req,
-                                  lambda: {r.version: r.effective for r in self.readiness(req.model, home)})
+            model = self.resolve_model(caller, req)
             req.validate(model.max_context)
             if req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
                 raise RouterError("deadline_exceeded", f"deadline_ms {req.deadline_ms} has already passed")

@@ -23,14 +23,15 @@ from router_service.rollout import shift_by_readiness
 
 
 @pytest.fixture
-def db(sqlite_url):
+def db(sqlite_url, smollm2_dir):
     migrate(sqlite_url)
     with session_scope(sqlite_url) as s:
-        for v in ("1", "2"):
-            queries.upsert_model_version(s, "m", v, status="serving" if v == "1" else "staged", max_context=2048)
+        for v in ("1", "2"):  # real tokenizer files: the router checks prompt ids against the vocabulary
+            queries.upsert_model_version(s, "m", v, status="serving" if v == "1" else "staged", max_context=2048,
+                                         weights_uri=str(smollm2_dir))
         queries.set_routes(s, "m", {"1": 100}, actor="seed")
         s.add(WarmBuffer(model="m", version="1", min_idle_replicas=0, min_replicas=1, max_replicas=2))
-        queries.create_caller(s, "dev", "t")
+        queries.create_caller(s, "dev", "t", canary_access=True)  # may pin a staged version
     return sqlite_url
 
 
@@ -67,8 +68,11 @@ def test_requests_wait_for_a_starting_replica_and_are_placed_once_it_serves(db):
 
     async def main():
         waiting = [asyncio.create_task(router.prepare(_caller(router), _req(i))) for i in range(3)]
-        await asyncio.sleep(0.3)  # the replica is still loading: nobody fails, nobody is placed
-        assert not any(t.done() for t in waiting)
+        for _ in range(300):  # until all three passed their quota check and wait in the queue
+            if "m:1" in router.queues and len(router.queues["m:1"].waiting) == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert not any(t.done() for t in waiting)  # the replica is still loading: nobody fails, nobody is placed
         assert len(router.queues["m:1"].waiting) == 3
         _replica(db, "m-v1-r0", "1", "serving")
         _reload(router)  # what the registry watcher does within ~0.5 s
@@ -103,7 +107,7 @@ def test_waiters_fail_at_once_when_the_start_fails_and_nothing_else_starts(db):
         return info.value
     err = asyncio.run(main())
     assert err.code == "unavailable" and "nothing serves or starts m version 1" in err.message
-    assert router.gateway.usage_today("dev")["reserved"] == 0
+    assert router.quotas.usage_today("dev")["reserved"] == 0
 
 
 def test_nothing_serves_or_starts_fails_fast_naming_model_and_version(db):
