@@ -17,6 +17,7 @@ from build_engines.register import Registration
 from common import processes
 from autoscale.actuators.replicas import ReplicaSpec, replica_base_port, start_replica
 from fleet.seed import DEFAULT_MODEL, DEFAULT_VERSION, seed
+from common.report_channel import load_report_secret, replica_key
 from common.services import replica_ports, start_tansu
 from common.settings import REPO_ROOT, Settings, load_settings
 from common.vendor import triton_home
@@ -87,8 +88,11 @@ class GpuStack:
     def add_replica(self, index: int) -> None:
         spec = ReplicaSpec(DEFAULT_MODEL, DEFAULT_VERSION, index)
         start_replica(self.settings, spec)
+        # like every replica: reports go to the router's internal listener, signed with this replica's key
+        key = replica_key(load_report_secret(self.settings), spec.replica_id)
         env = dict(self.env, FLEET_REPLICA_ID=spec.replica_id, FLEET_MODEL=DEFAULT_MODEL,
-                   FLEET_VERSION=DEFAULT_VERSION, FLEET_ROUTER_URLS=self.http_url)
+                   FLEET_VERSION=DEFAULT_VERSION, FLEET_ROUTER_URLS=self.settings.router_internal_url,
+                   FLEET_REPORT_KEY=key)
         self.procs.append(processes.spawn(
             [sys.executable, "-m", "python_backends.trtllm_state", "--metrics-url", self.metrics_url(index),
              "--interval", "0.2"], self.settings.logs_dir / f"reporter-{index}.log", env=env, cwd=REPO_ROOT))
