@@ -125,6 +125,7 @@ def run_engine(eng: LLMEngine, prompts: list[list[int]], gen_lens: list[int], de
             "steps": steps, "all_first_token_s": round(first_all or wall, 3),
             "decode_step_ms_median": round(statistics.median(full_decode_ms), 3) if full_decode_ms else None,
             "decode_steps_at_full_batch": len(full_decode_ms), "preemptions": eng.scheduler.num_preemptions,
+            "lookahead_steps": getattr(eng, "lookahead_steps", 0),
             "host_ms_per_step": {k: round(1000 * v / steps, 3) for k, v in host.items()}}
 
 

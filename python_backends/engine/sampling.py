@@ -5,7 +5,7 @@ logits sorted once per step, then the exponential race (argmax of p / q with q ~
 from p) - the way vLLM samples without a per-row multinomial. Greedy rows take the argmax. Rows with a request
 seed draw their q from their own torch.Generator on the device (created on first use, kept on the sequence, so
 the same seed and prompt give the same output whatever else shares the batch, also after preemption); the
-other rows share one draw. The only host sync is the final `.tolist()`.
+other rows share one draw. The only host sync is the final `.tolist()` (none in `sample_on_device`).
 """
 from __future__ import annotations
 
@@ -27,10 +27,15 @@ def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: fp32 [len(seqs), vocab] on any device; returns one token id per sequence."""
+    return sample_on_device(logits, seqs).tolist()
+
+
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """As `sample`, but the ids stay on the logits' device (int64 [len(seqs)]); no host sync."""
     greedy_ids = logits.argmax(dim=-1)
     random_rows = [r for r, s in enumerate(seqs) if not s.params.greedy]
     if not random_rows:
-        return greedy_ids.tolist()
+        return greedy_ids
     dev = logits.device
     sub = [seqs[r] for r in random_rows]
     rows = torch.tensor(random_rows, device=dev)
@@ -53,5 +58,4 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             q[i].exponential_(generator=_generator(s, dev))
     choice = (probs / q).argmax(dim=-1, keepdim=True)
     picked = order.gather(1, choice).squeeze(1)
-    out = greedy_ids.index_copy(0, rows, picked)
-    return out.tolist()
+    return greedy_ids.index_copy(0, rows, picked)
