@@ -5,7 +5,7 @@ chunk reached its last token, stop checks, and the outputs of that iteration (de
 one the finish reason and usage). Finished sequences leave at once and free their blocks, so queued ones can
 join in the very next iteration. Not thread-safe: one thread (EngineLoop) drives it.
 
-Async decode (`async_decode`, on by default on CUDA): a step's sampled ids stay on the device and the step is
+Async decode (`async_decode=1`; off by default, see docs/engine.md): a step's sampled ids stay on the device and the step is
 left in flight; the next `step()` launches the following decode step first - its input ids gathered on the
 device from the in-flight ids, its metadata built on the host while the device still runs - and only then
 waits for the in-flight ids and returns their outputs. So schedule/prepare/output handling overlap the
@@ -94,7 +94,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.stop_checkers: dict[int, StopChecker] = {}
         self._pending: list[StepOutput] = []     # outputs decided outside step() (rejections, aborts)
-        self.async_decode = config.async_decode == 1 or (config.async_decode < 0 and self.device.type == "cuda")
+        self.async_decode = config.async_decode == 1
         self._inflight: _Inflight | None = None
         self.lookahead_steps = 0
         self.steps = 0
