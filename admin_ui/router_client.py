@@ -58,6 +58,12 @@ class RouterClient:
         """{registry_version, routes, replicas: [...]} as the router sees it now."""
         return self._call("GET", "/fleet")
 
+    def rollout(self, model: str) -> dict:
+        """{routes, rollout: {effective, versions, notes}}: what each version of `model` gets now and why,
+        e.g. notes ["v1: 1 of 1 replicas ready, carrying 100 % (configured 80 %)", "v2: 0 of 1 replicas ready,
+        20 % pending"]."""
+        return self._call("GET", f"/models/{model}/rollout")
+
     def audit(self, limit: int = 100) -> list[dict]:
         return self._call("GET", "/audit", params={"limit": limit})["entries"]
 

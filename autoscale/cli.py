@@ -53,7 +53,10 @@ def register(subparsers) -> None:
 
     auto = subparsers.add_parser("autoscale", help="the live autoscaler")
     auto_sub = auto.add_subparsers(dest="autoscale_command", required=True)
-    run = auto_sub.add_parser("run", help="run the controller loop against the router and an actuator")
+    run = auto_sub.add_parser("run", help="run the controller loop against the router and an actuator",
+                              description="Scales every managed model version: each warm_buffers row and each "
+                                          "routed version (a routed version without a row inherits its model's "
+                                          "settings). The set is re-read every tick.")
     run.add_argument("--actuator", choices=("local", "kubernetes"), default="local")
     run.add_argument("--interval-s", type=float, default=2.0)
     run.add_argument("--duration-s", type=float, default=None, help="stop after this long (default: until Ctrl-C)")
@@ -152,11 +155,15 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
     from common.settings import load_settings
 
     settings = load_settings()
-    pools = [p for p in pools_from_registry(settings.db_url, settings.region) if args.model in (None, p.spec.model)]
+
+    def managed() -> list:  # re-read every tick: a rollout's new version is managed at once
+        pools = [p for p in pools_from_registry(settings.db_url, settings.region) if args.model in (None, p.spec.model)]
+        for pool in pools:
+            pool.max_running_per_replica, pool.target_load = args.max_running_per_replica, args.target_load
+        return pools
+    pools = managed()
     if not pools:
-        raise SystemExit("no warm_buffers rows in the registry: nothing to scale (set one per model version)")
-    for pool in pools:
-        pool.max_running_per_replica, pool.target_load = args.max_running_per_replica, args.target_load
+        log.info("no routed model version and no warm_buffers row yet: waiting for one")
     if args.actuator == "local":
         from autoscale.actuators.local import LocalActuator
 
@@ -165,19 +172,16 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
                                  cpu_cores=args.cpu_cores, cpu_budget=not args.no_cpu_budget)
         log.info("local actuator: at most %s replicas (%d cores)", actuator.max_replicas or "unbounded",
                  actuator.cpu_cores)
-        for pool in pools:
-            actuator.adopt(pool.spec)
     else:
         from autoscale.actuators.kubernetes import KubernetesActuator
 
         actuator = KubernetesActuator(args.namespace, image=args.image, db_url=settings.db_url)
-    # FLEET_ADMIN_TOKEN (a Secret in Kubernetes), else the data dir's token file
-    token = next((t for t, role in settings.admin_tokens().items() if role == "operator"), None)
+    token = settings.operator_token()  # FLEET_ADMIN_TOKEN (a Secret in Kubernetes), else the data dir's file
     from autoscale.live_inputs import forecasts_from_usage
 
     forecasts = forecasts_from_usage(settings.usage_db_path, pools, args.history_weeks) if args.history_weeks else {}
     controller = Controller(pools, actuator, args.router_url or settings.router_http_url, args.interval_s, admin_token=token,
-                            forecasts=forecasts,
+                            forecasts=forecasts, pools_source=managed,
                             decisions_path=settings.data_dir / "autoscale" / "decisions.jsonl")
     if args.once:
         print(json.dumps([d.__dict__ for d in controller.tick()], indent=2))

@@ -51,13 +51,15 @@ class Decision:
 
 
 def pools_from_registry(db_url: str, region: str = "local") -> list[PoolConfig]:
-    """One PoolConfig per warm_buffers row (model, version, bounds, SLO)."""
+    """One PoolConfig per managed model version: each warm_buffers row and each routed version (a routed
+    version without a row inherits its model's settings, so a rollout's new version gets capacity)."""
     from registry.db import session_scope
-    from registry.queries import get_model_version, list_warm_buffers
+    from registry.queries import get_model_version
+    from registry.warm_buffers import managed_pools
 
     out = []
     with session_scope(db_url) as session:
-        for wb in list_warm_buffers(session):
+        for wb in managed_pools(session):
             mv = get_model_version(session, wb.model, wb.version)
             tp = mv.tensor_parallel if mv is not None else 1
             out.append(PoolConfig(PoolSpec(wb.model, wb.version, region, tp), min_replicas=wb.min_replicas,
@@ -73,8 +75,9 @@ class Controller:
                  forecasts: dict[str, Callable[[float], float]] | None = None,
                  signal_reader: Callable[[PoolConfig], Signals] | None = None,
                  guard_overrides: dict | None = None, admin_token: str | None = None,
-                 decisions_path: Path | None = None) -> None:
-        self.pools, self.actuator, self.router_url = pools, actuator, router_url
+                 decisions_path: Path | None = None,
+                 pools_source: Callable[[], list[PoolConfig]] | None = None) -> None:
+        self.actuator, self.router_url = actuator, router_url
         self.decisions_path = decisions_path  # JSON lines the admin UI shows; only scaling decisions
         self.interval_s = interval_s
         self.forecasts = forecasts or {}
@@ -83,17 +86,54 @@ class Controller:
         self.history: list[Decision] = []
         self._stop = threading.Event()
         self.policies: dict[str, ForecastPolicy] = {}
+        self.guard_overrides = guard_overrides or {}
+        self.pools_source = pools_source
+        self.pools: list[PoolConfig] = []
         for pool in pools:
-            guard = ScalingGuard(min_replicas=pool.min_replicas, max_replicas=pool.max_replicas, up_cooldown_s=interval_s,
-                                 down_cooldown_s=60.0, down_window_s=30.0, down_step_fraction=0.25,
-                                 down_step_interval_s=30.0)
-            for key, value in (guard_overrides or {}).items():
-                setattr(guard, key, value)
-            forecast = self.forecasts.get(pool.spec.name, lambda _now: 0.0)
-            self.policies[pool.spec.name] = ForecastPolicy(
-                guard, forecast_need=forecast, cold_start_s=lambda p=pool: self._cold_start(p),
-                warm_buffer=pool.min_idle_replicas, replica_seconds_per_request=pool.replica_seconds_per_request,
-                target_load=pool.target_load, smoothing_halflife_s=interval_s / 2)
+            self._add_pool(pool)
+
+    def _add_pool(self, pool: PoolConfig) -> None:
+        guard = ScalingGuard(min_replicas=pool.min_replicas, max_replicas=pool.max_replicas, up_cooldown_s=self.interval_s,
+                             down_cooldown_s=60.0, down_window_s=30.0, down_step_fraction=0.25,
+                             down_step_interval_s=30.0)
+        for key, value in self.guard_overrides.items():
+            setattr(guard, key, value)
+        forecast = self.forecasts.get(pool.spec.name, lambda _now: 0.0)
+        self.policies[pool.spec.name] = ForecastPolicy(
+            guard, forecast_need=forecast, cold_start_s=lambda p=pool: self._cold_start(p),
+            warm_buffer=pool.min_idle_replicas, replica_seconds_per_request=pool.replica_seconds_per_request,
+            target_load=pool.target_load, smoothing_halflife_s=self.interval_s / 2)
+        self.pools.append(pool)
+        adopt = getattr(self.actuator, "adopt", None)
+        if adopt is not None:  # take over replicas of the pool already serving
+            adopt(pool.spec)
+
+    def sync_pools(self) -> None:
+        """Re-read which pools to manage (every tick when a `pools_source` is given): a newly routed version
+        gets a pool at once; a pool no longer managed (unrouted, no warm-buffer row) is scaled to zero."""
+        if self.pools_source is None:
+            return
+        try:
+            wanted = {p.spec: p for p in self.pools_source()}
+        except Exception as exc:  # registry unreachable: keep managing what we have
+            log.warning("cannot read the managed pools (%s); keeping %d", exc, len(self.pools))
+            return
+        current = {p.spec: p for p in self.pools}
+        for spec, pool in wanted.items():
+            if spec not in current:
+                log.info("pool %s is now managed (%d..%d replicas)", spec.name, pool.min_replicas, pool.max_replicas)
+                self._add_pool(pool)
+            elif (pool.min_replicas, pool.max_replicas) != (current[spec].min_replicas, current[spec].max_replicas):
+                guard = self.policies[spec.name].guard
+                guard.min_replicas, guard.max_replicas = pool.min_replicas, pool.max_replicas
+                current[spec].min_replicas, current[spec].max_replicas = pool.min_replicas, pool.max_replicas
+        for spec, pool in current.items():
+            if spec not in wanted:
+                log.info("pool %s is no longer managed (not routed, no warm buffer): scaling it to zero", spec.name)
+                self.pools.remove(pool)
+                del self.policies[spec.name]
+                if self.actuator.counts(spec).total:
+                    self.actuator.scale(spec, 0)
 
     def _cold_start(self, pool: PoolConfig) -> float:
         measured = self.actuator.cold_start_s(pool.spec)
@@ -101,12 +141,13 @@ class Controller:
 
     def _read_router(self, pool: PoolConfig) -> Signals:
         return read_signals(self.router_url, pool.spec.model, pool.slo_ttft_s, pool.capacity_tokens_per_s,
-                            admin_token=self.admin_token)
+                            admin_token=self.admin_token, version=pool.spec.version)
 
     def tick(self, now: float | None = None) -> list[Decision]:
         now = time.monotonic() if now is None else now
+        self.sync_pools()
         out = []
-        for pool in self.pools:
+        for pool in list(self.pools):
             try:
                 sig = self.read(pool)
             except Exception as exc:  # no signals: hold the current size rather than guess

@@ -86,10 +86,13 @@ def aggregate(model: str, replicas: list[ReplicaSignals], pool: dict, slo_ttft_s
 
 
 def parse_fleet(payload: dict, model: str, slo_ttft_s: float,
-                capacity_tokens_per_s: float | None = None) -> Signals:
-    """Parse the router's `/admin/fleet` JSON (replicas[] with soft state; models{} or pools{} queue stats)."""
+                capacity_tokens_per_s: float | None = None, version: str | None = None) -> Signals:
+    """Parse the router's `/admin/fleet` JSON (replicas[] with soft state; models{} or pools{} queue stats).
+    With `version`, only that version's replicas and admission queue count (one pool per model version)."""
     replicas = []
     for raw in payload.get("replicas", []):
+        if version is not None and str(raw.get("version", "")) != version:
+            continue
         state = raw.get("state") or {}
         merged = {**raw, **state} if isinstance(state, dict) else dict(raw)
         replicas.append(ReplicaSignals(
@@ -106,7 +109,7 @@ def parse_fleet(payload: dict, model: str, slo_ttft_s: float,
     if isinstance(pools, dict):  # keyed by model, or by "model:version" (the router's admission queues)
         pool = dict(pools.get(model) or {})
         for key, stats in pools.items():
-            if key.startswith(f"{model}:") and isinstance(stats, dict):
+            if key.startswith(f"{model}:") and isinstance(stats, dict) and version in (None, key[len(model) + 1:]):
                 pool["waiting"] = pool.get("waiting", 0) + stats.get("waiting", 0)
                 pool["queue_wait_ms_p95"] = max(pool.get("queue_wait_ms_p95", 0.0), stats.get("queue_wait_ms_p95", 0.0))
                 pool["batch_waiting"] = pool.get("batch_waiting", 0) + (stats.get("by_tier") or {}).get("batch", 0)
@@ -118,23 +121,37 @@ def parse_fleet(payload: dict, model: str, slo_ttft_s: float,
 
 
 def read_signals(router_url: str, model: str, slo_ttft_s: float, capacity_tokens_per_s: float | None = None,
-                 admin_token: str | None = None, timeout_s: float = 2.0) -> Signals:
-    """GET {router}/admin/fleet and aggregate it for one model pool."""
+                 admin_token: str | None = None, timeout_s: float = 2.0, version: str | None = None) -> Signals:
+    """GET {router}/admin/fleet and aggregate it for one model pool (one version of it when given)."""
     headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
     resp = httpx.get(f"{router_url.rstrip('/')}/admin/fleet", headers=headers, timeout=timeout_s)
     resp.raise_for_status()
-    return parse_fleet(resp.json(), model, slo_ttft_s, capacity_tokens_per_s)
+    return parse_fleet(resp.json(), model, slo_ttft_s, capacity_tokens_per_s, version)
 
 
-def replica_inflight(router_url: str, replica_id: str, admin_token: str | None = None) -> int | None:
-    """In-flight streams the router has open to one replica; None if the router does not say."""
+def _fleet_rows(router_url: str, admin_token: str | None = None) -> dict[str, dict] | None:
+    """replica id -> the router's `/admin/fleet` row; None if the router cannot be read."""
     headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
     try:
         payload = httpx.get(f"{router_url.rstrip('/')}/admin/fleet", headers=headers, timeout=2.0).json()
     except (httpx.HTTPError, ValueError):
         return None
-    for raw in payload.get("replicas", []):
-        if str(raw.get("replica_id")) == replica_id:
-            value = raw.get("inflight", (raw.get("state") or {}).get("inflight") if isinstance(raw.get("state"), dict) else None)
-            return int(value) if value is not None else None
-    return None
+    return {str(raw.get("replica_id")): raw for raw in payload.get("replicas", [])}
+
+
+def replica_inflight(router_url: str, replica_id: str, admin_token: str | None = None) -> int | None:
+    """In-flight streams the router has open to one replica; None if the router does not say."""
+    raw = (_fleet_rows(router_url, admin_token) or {}).get(replica_id)
+    if raw is None:
+        return None
+    value = raw.get("inflight", (raw.get("state") or {}).get("inflight") if isinstance(raw.get("state"), dict) else None)
+    return int(value) if value is not None else None
+
+
+def router_admits(router_url: str, replica_id: str, admin_token: str | None = None) -> bool | None:
+    """Whether the router still has the replica `serving` in its registry snapshot (so it may admit new
+    streams there); None if the router cannot be read."""
+    rows = _fleet_rows(router_url, admin_token)
+    if rows is None:
+        return None
+    return replica_id in rows and rows[replica_id].get("state") == "serving"

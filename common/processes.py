@@ -13,8 +13,11 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from common.settings import Settings
+
+T = TypeVar("T")
 
 
 class StartupFailed(RuntimeError):
@@ -33,20 +36,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until(check: Callable[[], bool], timeout_s: float, what: str, proc: subprocess.Popen | None = None,
-               log_path: Path | None = None) -> None:
+def wait_until(check: Callable[[], T], timeout_s: float, what: str, proc: subprocess.Popen | None = None,
+               log_path: Path | None = None, interval_s: float = 0.2) -> T:
+    """Poll `check` until it returns something truthy (returned); a check that raises counts as not yet.
+    Raises StartupFailed naming `what` when `proc` exits or `timeout_s` passes (the one wait-for-a-condition
+    helper of the platform and its tests: nothing waits on a fixed sleep)."""
     deadline = time.monotonic() + timeout_s
+    last: object = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             tail = log_path.read_text()[-3000:] if log_path and log_path.exists() else ""
             raise StartupFailed(f"{what} exited with code {proc.returncode} while starting.\n{tail}")
         try:
-            if check():
-                return
-        except Exception:
-            pass
-        time.sleep(0.2)
-    raise StartupFailed(f"{what} was not healthy after {timeout_s:.0f} s" + (f"; see {log_path}" if log_path else ""))
+            last = check()
+            if last:
+                return last
+        except Exception as exc:
+            last = exc
+        time.sleep(interval_s)
+    raise StartupFailed(f"{what}: condition not met after {timeout_s:.0f} s (last check: {str(last)[:500]})"
+                        + (f"; see {log_path}" if log_path else ""))
 
 
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None,

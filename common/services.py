@@ -34,7 +34,8 @@ def triton_ready(http_port: int) -> bool:
 def start_triton(settings: Settings, repository: Path, base_port: int, log_path: Path,
                  extra_env: dict[str, str] | None = None, timeout_s: float = 180,
                  on_spawn: Callable[[subprocess.Popen], None] | None = None) -> subprocess.Popen:
-    """One `tritonserver` replica on (http, grpc, metrics) = base_port, +1, +2; waits until ready.
+    """One `tritonserver` replica on (http, grpc, metrics) = base_port, +1, +2, bound to `settings.replica_bind`
+    (FLEET_REPLICA_BIND, 127.0.0.1 by default); waits until ready.
 
     `on_spawn` runs right after the process exists (before it is ready), so a supervisor can record it
     and stop it even if whoever started it goes away during the model load."""
@@ -42,9 +43,11 @@ def start_triton(settings: Settings, repository: Path, base_port: int, log_path:
     http, grpc, metrics = replica_ports(base_port)
     env = triton_env(settings)
     env.update(extra_env or {})
+    bind = settings.replica_bind  # loopback locally: only the router (and tests) reach a replica
     cmd = [str(home / "bin" / "tritonserver"), f"--model-repository={repository}",
            f"--backend-directory={home / 'backends'}", f"--http-port={http}", f"--grpc-port={grpc}",
-           f"--metrics-port={metrics}", "--allow-sagemaker=false", "--allow-vertex-ai=false",
+           f"--metrics-port={metrics}", f"--http-address={bind}", f"--grpc-address={bind}",
+           f"--metrics-address={bind}", "--allow-sagemaker=false", "--allow-vertex-ai=false",
            "--exit-timeout-secs=5", "--log-verbose=0", "--strict-readiness=true"]
     proc = spawn(cmd, log_path, env=env)
     if on_spawn is not None:

@@ -28,6 +28,11 @@ class Settings(BaseSettings):
     router_host: str = "127.0.0.1"
     router_http_port: int = Field(8030, gt=0, lt=65536)
     router_grpc_port: int = Field(8031, gt=0, lt=65536)
+    # the router's internal listener (replica state reports): never the callers' port, loopback by default
+    router_internal_host: str = "127.0.0.1"
+    router_internal_port: int = Field(8032, gt=0, lt=65536)
+    replica_bind: str = "127.0.0.1"  # address Triton replicas listen on (pod address in Kubernetes)
+    report_secret: str = ""  # signs replica state reports; default: the data dir's report-secret file
     admin_ui_port: int = Field(8501, gt=0, lt=65536)
     replica_base_port: int = Field(8100, gt=0, lt=65536)
     region: str = "local"
@@ -66,6 +71,10 @@ class Settings(BaseSettings):
         return f"http://{self.router_host}:{self.router_http_port}"
 
     @property
+    def router_internal_url(self) -> str:
+        return f"http://{self.router_internal_host}:{self.router_internal_port}"
+
+    @property
     def router_grpc_url(self) -> str:
         return f"{self.router_host}:{self.router_grpc_port}"
 
@@ -101,6 +110,10 @@ class Settings(BaseSettings):
     def viewer_token_file(self) -> Path:
         return self.data_dir / "viewer-token"
 
+    @property
+    def report_secret_file(self) -> Path:
+        return self.data_dir / "report-secret"
+
     def admin_tokens(self) -> dict[str, str]:
         """token -> role (`operator`, `viewer`): from FLEET_ADMIN_TOKEN / FLEET_VIEWER_TOKEN, else the data
         dir's token files (written by `fleet seed`). The router's admin API and the admin UI both use this."""
@@ -114,6 +127,10 @@ class Settings(BaseSettings):
             if token:
                 tokens[token] = role
         return tokens
+
+    def operator_token(self) -> str | None:
+        """The operator token (FLEET_ADMIN_TOKEN or the admin-token file), for services that call the admin API."""
+        return next((t for t, role in self.admin_tokens().items() if role == "operator"), None)
 
 
 def env_name(cls: type[BaseSettings], field: str) -> str:

@@ -9,7 +9,7 @@ from common.logs import setup_logging
 from common.settings import load_settings
 
 # Component command groups: module path -> each provides `register(subparsers)`.
-COMPONENT_COMMANDS = ("usage.cli", "autoscale.cli")
+COMPONENT_COMMANDS = ("usage.cli", "autoscale.cli", "registry.admin_tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:

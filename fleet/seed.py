@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import secrets
 import shutil
 
 from common.settings import REPO_ROOT, Settings
 from registry import queries
+from registry.admin_tokens import ensure_admin_token, new_admin_token
 from registry.db import session_scope
 from registry.schema import WarmBuffer
 
@@ -36,11 +36,20 @@ def seed(settings: Settings) -> tuple[str, str]:
             s.add(WarmBuffer(model=DEFAULT_MODEL, version=DEFAULT_VERSION, min_idle_replicas=0, min_replicas=1,
                              max_replicas=2, slo_ttft_ms_p95=3000, slo_tokens_per_s=10))
     install_shipped_adapters(settings)
-    for path, prefix in ((settings.admin_token_file, "fa-"), (settings.viewer_token_file, "fv-")):
-        if not path.exists():
-            path.write_text(prefix + secrets.token_urlsafe(24) + "\n")
+    tokens: dict[str, str] = {}
+    # the local operator "admin" and viewer "viewer": plaintext only in the data dir's 0600 files (for `make up`
+    # and the admin UI), hashed in the registry; named tokens for people come from `fleet admin-token create`
+    for name, role, path, given in (("admin", "operator", settings.admin_token_file, settings.admin_token),
+                                    ("viewer", "viewer", settings.viewer_token_file, settings.viewer_token)):
+        token = given or (path.read_text().strip() if path.exists() else "")
+        if not token:
+            token = new_admin_token(role)
+            path.write_text(token + "\n")
             path.chmod(0o600)
-    return existing, settings.admin_token_file.read_text().strip()
+        with session_scope(settings.db_url) as s:
+            ensure_admin_token(s, name, role, token)
+        tokens[name] = token
+    return existing, tokens["admin"]
 
 
 def install_shipped_adapters(settings: Settings) -> list[str]:

@@ -115,7 +115,7 @@ def busy(values: dict[str, float]) -> int:
 def drain(metrics_url: str, identity: dict[str, Any], admin_token: str, timeout_s: float,
           poll_s: float = 1.0) -> bool:
     """Stop admission at every router, then wait for the replica to hold no request; False on timeout."""
-    for router in identity.get("routers", []):
+    for router in identity.get("admin_routers") or identity.get("routers", []):
         req = urllib.request.Request(f"{router}/admin/replicas/{identity['replica_id']}/drain", data=b"{}",
                                      method="POST", headers={"authorization": f"Bearer {admin_token}",
                                                              "content-type": "application/json"})
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if not identity["routers"]:
         ap.error("FLEET_ROUTER_URLS is empty: set the routers' internal URLs (comma-separated)")
     if args.mode == "drain":
-        token = next((t for t, role in load_settings().admin_tokens().items() if role == "operator"), "")
+        token = load_settings().operator_token()
         if not token:
             ap.error("no operator token: set FLEET_ADMIN_TOKEN (the drain call uses the router's admin API)")
         return 0 if drain(args.metrics_url, identity, token, args.timeout) else 1

@@ -156,18 +156,23 @@ def ensure_team(session: Session, name: str) -> Team:
 
 
 def create_caller(session: Session, name: str, team: str, *, max_tier: str = "interactive",
-                  token_quota_per_day: int = 10_000_000, api_key: str | None = None) -> str:
+                  token_quota_per_day: int = 10_000_000, api_key: str | None = None, max_concurrent: int = 256,
+                  canary_access: bool = False) -> str:
     """Create (or re-key) a caller and return its plaintext API key; only the hash is stored."""
     if max_tier not in TIERS:
         raise RegistryError(f"max_tier {max_tier!r} is not one of {list(TIERS)}")
+    if max_concurrent < 0:
+        raise RegistryError(f"max_concurrent is {max_concurrent}; allowed: 0 (no cap) or more")
     ensure_team(session, team)
     api_key = api_key or new_api_key()
     caller = session.get(Caller, name)
     if caller is None:
         session.add(Caller(name=name, team=team, api_key_hash=hash_api_key(api_key), max_tier=max_tier,
-                           token_quota_per_day=token_quota_per_day, allowed_models=[], allowed_adapters=[]))
+                           token_quota_per_day=token_quota_per_day, allowed_models=[], allowed_adapters=[],
+                           max_concurrent=max_concurrent, canary_access=canary_access))
     else:
         caller.api_key_hash, caller.team, caller.max_tier = hash_api_key(api_key), team, max_tier
+        caller.max_concurrent, caller.canary_access = max_concurrent, canary_access
     bump_version(session)
     return api_key
 

@@ -84,6 +84,38 @@ class Caller(Base):
     allowed_models: Mapped[list] = mapped_column(JSON, default=list)  # empty = all
     allowed_adapters: Mapped[list] = mapped_column(JSON, default=list)  # empty = those of its team
     region: Mapped[str] = mapped_column(String(32), default="local")
+    canary_access: Mapped[bool] = mapped_column(Boolean, default=False)  # may pin 0 % (staged) versions
+    max_concurrent: Mapped[int] = mapped_column(Integer, default=256)  # streams in flight, all routers (0 = no cap)
+
+
+class AdminToken(Base):
+    """A named operator or viewer token; only its SHA-256 is stored (registry/admin_tokens.py)."""
+    __tablename__ = "admin_tokens"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    role: Mapped[str] = mapped_column(String(16))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class QuotaUsage(Base):
+    """Tokens a caller's finished requests used on one UTC day, shared by every router (registry/quotas.py)."""
+    __tablename__ = "quota_usage"
+    caller: Mapped[str] = mapped_column(String(128), primary_key=True)
+    day: Mapped[str] = mapped_column(String(10), primary_key=True)
+    used_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class InflightLease(Base):
+    """One request in flight: holds its token reservation and a concurrency slot until settled or expired
+    (a router that dies stops renewing its leases, so they lapse)."""
+    __tablename__ = "inflight_leases"
+    lease_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    caller: Mapped[str] = mapped_column(String(128), index=True)
+    day: Mapped[str] = mapped_column(String(10))
+    router_id: Mapped[str] = mapped_column(String(128), index=True)
+    reserved_tokens: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[float] = mapped_column(Float)  # unix seconds
 
 
 class WarmBuffer(Base):

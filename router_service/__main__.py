@@ -8,10 +8,12 @@ import signal
 import uvicorn
 
 from common.logs import setup_logging
+from common.report_channel import load_report_secret
 from common.settings import Settings, load_from_env, load_settings
 from router_service.core import Router
 from router_service.grpc_frontend import start_grpc_server
 from router_service.http_frontend import create_app
+from router_service.internal_api import create_internal_app
 from router_service.registry_cache import RegistryCache
 from router_service.settings import RouterSettings
 from usage.producer import UsageProducer
@@ -24,51 +26,73 @@ def parse_args(s: Settings, rs: RouterSettings) -> argparse.Namespace:
     ap.add_argument("--host", default=s.router_host, help="listen address (default %(default)s)")
     ap.add_argument("--http-port", type=int, default=s.router_http_port, help="OpenAI/admin/metrics HTTP port")
     ap.add_argument("--grpc-port", type=int, default=s.router_grpc_port, help="KServe v2 gRPC port")
+    ap.add_argument("--internal-host", default=s.router_internal_host,
+                    help="address of the internal listener for replica state reports; loopback by default, the pod "
+                         "address behind a NetworkPolicy in Kubernetes (FLEET_ROUTER_INTERNAL_HOST)")
+    ap.add_argument("--internal-port", type=int, default=s.router_internal_port,
+                    help="port of the internal listener (FLEET_ROUTER_INTERNAL_PORT)")
     ap.add_argument("--db-url", default=s.db_url, help="registry database URL (FLEET_DB_URL)")
     ap.add_argument("--kafka", default=s.kafka_bootstrap, help="Kafka bootstrap servers for usage events")
     ap.add_argument("--max-waiting", type=int, default=rs.max_waiting,
                     help="admission queue bound per model version (FLEET_ROUTER_MAX_WAITING)")
+    ap.add_argument("--start-wait-s", type=float, default=rs.start_wait_s,
+                    help="requests for a version whose replicas are starting wait for them (up to their deadline); "
+                         "a replica row still `starting` after this many seconds no longer counts "
+                         "(FLEET_ROUTER_START_WAIT_S)")
     ap.add_argument("--no-usage", action="store_true", help="do not meter usage (benchmarks only)")
     return ap.parse_args()
 
 
-def admin_tokens(s: Settings) -> dict[str, str]:
-    """token -> role; the router refuses to start without an operator token."""
-    tokens = s.admin_tokens()
-    if "operator" not in tokens.values():
-        raise SystemExit(f"no admin token: set FLEET_ADMIN_TOKEN or create {s.admin_token_file} (`fleet seed` does)")
-    return tokens
+def register_env_admin_tokens(settings: Settings, db_url: str) -> None:
+    """FLEET_ADMIN_TOKEN / FLEET_VIEWER_TOKEN (e.g. from a Kubernetes Secret) become the named tokens `admin`
+    and `viewer` (stored hashed), as `fleet seed` does for the data dir's token files."""
+    from registry.admin_tokens import ensure_admin_token
+    from registry.db import session_scope
+    for name, role, token in (("admin", "operator", settings.admin_token), ("viewer", "viewer", settings.viewer_token)):
+        if token:
+            with session_scope(db_url) as s:
+                ensure_admin_token(s, name, role, token)
 
 
 async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings) -> None:
     log = setup_logging("router", settings.log_level)
+    register_env_admin_tokens(settings, args.db_url)
     registry = RegistryCache(args.db_url)
     producer = None if args.no_usage else UsageProducer(args.kafka, settings.spool_dir / "router", settings.usage_topic)
     if producer is not None:
         producer.start()
     router = Router(registry, producer, region=settings.region, choice=rs.choice_params(), gateway=rs.gateway(),
-                    max_waiting=args.max_waiting, batch_yield=rs.batch_yielder())
-    await asyncio.to_thread(router.gateway.warm_start, settings.usage_db_path)
+                    max_waiting=args.max_waiting, batch_yield=rs.batch_yielder(), start_wait_s=args.start_wait_s,
+                    timeouts=rs.stream_timeouts())
     grpc_server = await start_grpc_server(router, args.host, args.grpc_port)
-    config = uvicorn.Config(create_app(router, admin_tokens(settings)), host=args.host, port=args.http_port,
+    config = uvicorn.Config(create_app(router), host=args.host, port=args.http_port,
                             log_level="warning", lifespan="off")
     http_server = uvicorn.Server(config)
     http_server.install_signal_handlers = lambda: None
+    internal_server = uvicorn.Server(uvicorn.Config(
+        create_internal_app(router, load_report_secret(settings)), host=args.internal_host,
+        port=args.internal_port, log_level="warning", lifespan="off"))
+    internal_server.install_signal_handlers = lambda: None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     watcher = asyncio.create_task(registry.watch())
+    renewer = asyncio.create_task(router.quotas.renew_forever())
     warm = asyncio.create_task(asyncio.to_thread(router.warm_tokenizers))  # noqa: F841 (runs in the background)
     http_task = asyncio.create_task(http_server.serve())
-    log.info("router serving gRPC on %s:%d and HTTP on %s:%d (registry version %d)", args.host, args.grpc_port,
-             args.host, args.http_port, registry.snapshot.version)
+    internal_task = asyncio.create_task(internal_server.serve())
+    log.info("router serving gRPC on %s:%d, HTTP on %s:%d, internal reports on %s:%d (registry version %d)",
+             args.host, args.grpc_port, args.host, args.http_port, args.internal_host, args.internal_port,
+             registry.snapshot.version)
     await stop.wait()
     log.info("router stopping")
-    http_server.should_exit = True
+    http_server.should_exit = internal_server.should_exit = True
     await grpc_server.stop(grace=5)
     await http_task
+    await internal_task
     watcher.cancel()
+    renewer.cancel()
     await router.close()
     if producer is not None:
         producer.close()

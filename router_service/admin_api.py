@@ -1,7 +1,12 @@
 """Admin HTTP API: the one validated write path for rollouts and replica states, each change audited.
 
-Two roles: `operator` (may write) and `viewer` (read only). Tokens come from the data dir
-(`admin-token` for the operator, `viewer-token` for viewers) or FLEET_ADMIN_TOKEN / FLEET_VIEWER_TOKEN.
+Rollout answers (and `GET /admin/fleet`'s `rollouts`) say what traffic each version gets now: a version
+without ready replicas keeps its share pending ("v2: 0 of 1 replicas ready, 20 % pending") while the
+autoscaler starts its replicas, and the versions that serve carry it meanwhile.
+
+Who may call it: holders of a named admin token (registry/admin_tokens.py; `fleet admin-token create`), role
+`operator` (may write) or `viewer` (read only). Tokens are checked against their hashes in constant time and
+the audit log records the token's name as the actor. A change the registry refuses is a 400 with its reason.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from registry import queries
+from registry.admin_tokens import AdminIdentity, match_admin_token
 from registry.db import session_scope
 from registry.warm_buffers import set_warm_buffer
 from router_service.admin_budgets_rules import register_budget_and_rule_routes
@@ -39,18 +45,24 @@ class VersionBody(BaseModel):
     version: str
 
 
-def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
+def admin_router(router: Router) -> APIRouter:
     api = APIRouter(prefix="/admin")
     db_url = router.registry.db_url
 
-    def role_of(request: Request, need: str) -> str:
+    def identity(request: Request, need: str) -> AdminIdentity:
         auth = request.headers.get("authorization", "")
-        role = tokens.get(auth[7:].strip()) if auth.lower().startswith("bearer ") else None
-        if role is None:
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        who = match_admin_token(router.registry.snapshot.admin_tokens, token) if token else None
+        if who is None:
             raise RouterError("unauthenticated", "admin endpoints need 'authorization: Bearer <admin or viewer token>'")
-        if need == "operator" and role != "operator":
-            raise RouterError("permission_denied", f"role {role!r} may not change the fleet; an operator token is needed")
-        return role
+        if need == "operator" and who.role != "operator":
+            raise RouterError("permission_denied", f"{who.name!r} is a {who.role}; changing the fleet needs an "
+                                                   f"operator token")
+        return who
+
+    def role_of(request: Request, need: str) -> str:
+        """The acting token's name (the audit log's actor)."""
+        return identity(request, need).name
 
     async def write(fn, *args):
         try:
@@ -62,7 +74,8 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
 
     @api.get("/whoami")
     async def whoami(request: Request):
-        return {"role": role_of(request, "viewer")}
+        who = identity(request, "viewer")
+        return {"role": who.role, "name": who.name}
 
     @api.get("/fleet")
     async def fleet(request: Request):
@@ -77,7 +90,27 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
         queues = {name: {"waiting": len(q.waiting), "retry_after_ms": q.retry_after_ms(), "by_tier": q.tier_counts(),
                          "batch_deadline_ms": q.earliest_deadline_ms("batch")}
                   for name, q in router.queues.items()}
-        return {"registry_version": snap.version, "routes": snap.routes, "replicas": replicas, "queues": queues}
+        rollouts = {model: rollout_status(model) for model in snap.routes}
+        return {"registry_version": snap.version, "routes": snap.routes, "replicas": replicas, "queues": queues,
+                "rollouts": rollouts}
+
+    def rollout_status(model: str) -> dict:
+        """The configured split, what each version gets now, and why (in the router's own region)."""
+        ready = router.readiness(model, router.region)
+        return {"region": router.region, "effective": {r.version: r.effective for r in ready if r.effective},
+                "versions": [{"version": r.version, "percent": r.percent, "ready": r.ready, "needed": r.needed,
+                              "effective_percent": r.effective, "pending_percent": round(r.pending, 3),
+                              "note": r.note()} for r in ready if r.percent or r.effective],
+                "notes": [r.note() for r in ready if r.percent or r.effective]}
+
+    @api.get("/models/{name}/rollout")
+    async def rollout_view(name: str, request: Request):
+        role_of(request, "viewer")
+        snap = router.registry.snapshot
+        if name not in snap.models:
+            raise RouterError("not_found", f"model {name!r} is not registered; known models: "
+                                           f"{', '.join(sorted(snap.models)) or 'none'}")
+        return {"model": name, "routes": snap.routes.get(name, {}), "rollout": rollout_status(name)}
 
     @api.post("/models/{name}/rollout")
     async def rollout(name: str, body: RolloutBody, request: Request):
@@ -93,7 +126,8 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
         else:
             raise RouterError("invalid_argument", "send {version, percent} or {split: {version: percent}}")
         changed = await write(lambda s: queries.set_routes(s, name, split, actor=actor))
-        return {"model": name, "routes": {v: p for v, p in split.items() if p}, "changed": changed}
+        return {"model": name, "routes": {v: p for v, p in split.items() if p}, "changed": changed,
+                "rollout": rollout_status(name)}
 
     @api.post("/models/{name}/promote")
     async def promote(name: str, body: VersionBody, request: Request):
@@ -103,13 +137,13 @@ def admin_router(router: Router, tokens: dict[str, str]) -> APIRouter:
             queries.set_routes(s, name, {body.version: 100}, actor=actor)
             queries.set_model_status(s, name, body.version, "serving")
         await write(do)
-        return {"model": name, "routes": {body.version: 100}}
+        return {"model": name, "routes": {body.version: 100}, "rollout": rollout_status(name)}
 
     @api.post("/models/{name}/rollback")
     async def rollback(name: str, request: Request):
         actor = role_of(request, "operator")
         routes = await write(lambda s: queries.rollback_routes(s, name, actor=actor))
-        return {"model": name, "routes": routes}
+        return {"model": name, "routes": routes, "rollout": rollout_status(name)}
 
     @api.put("/warm-buffers/{model}/{version}")
     async def warm_buffer(model: str, version: str, body: WarmBufferBody, request: Request):

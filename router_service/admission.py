@@ -7,7 +7,8 @@ are offered slots in order; batch tickets only while no interactive or standard 
 When the queue is full, an arrival of a higher tier evicts the lowest waiting ticket (batch first,
 then standard; the latest deadline among equals); otherwise the arrival itself is refused. Both get
 RESOURCE_EXHAUSTED with a retry-after estimated from the queue length and recent service times.
-A ticket whose deadline passes while it waits gets DEADLINE_EXCEEDED.
+A ticket whose deadline passes while it waits gets DEADLINE_EXCEEDED. `try_place` may raise a RouterError
+(nothing serves or starts any more): the ticket fails with it at once.
 """
 from __future__ import annotations
 
@@ -105,7 +106,12 @@ class AdmissionQueue:
                 continue
             if ticket.tier == "batch" and any(t.tier != "batch" for t in self.waiting):
                 break  # batch is admitted only while interactive and standard queues are empty
-            placed = ticket.try_place()
+            try:
+                placed = ticket.try_place()
+            except RouterError as exc:  # e.g. the replicas it waited for stopped starting: fail it now
+                self._remove(ticket)
+                ticket.future.set_exception(exc)
+                continue
             if placed is not None:
                 self._remove(ticket)
                 ticket.future.set_result(placed)

@@ -9,47 +9,59 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from router_service import metrics
-from router_service.accounting import account
+from router_service.accounting import account, open_ledger_entry
 from router_service.admission import AdmissionQueue
 from router_service.batch_yield import BatchYield
 from router_service.cancellation import CancelHandle, InflightRequests
 from router_service.errors import RouterError
-from router_service.gateway import Gateway
+from router_service.gateway import Gateway, QuotaLedger
 from router_service.regions import candidate_tiers, home_region
 from router_service.registry_cache import CallerInfo, ModelInfo, RegistryCache, ReplicaInfo
 from router_service.replica_choice import ChoiceParams, Placement, ReplicaChooser
 from router_service.replica_state import ReplicaStateTable
-from router_service.request import TIERS, Finished, GenerateRequest, Prepared, TokenDelta
-from router_service.rollout import pick_version
+from router_service.replica_set import ReplicaSet
+from router_service.request import Finished, GenerateRequest, Prepared, TokenDelta
+from router_service.rollout import VersionReadiness
+from router_service.stream_guard import DeadlineReached, ReplicaHung, ResumeText, StreamTimeouts, guarded
 from router_service.tokenization import TokenizerCache
 from router_service.upstream import Preempted, ReplicaClient, ReplicaFailed
+from router_service.visibility import resolve_model
 
 log = logging.getLogger(__name__)
 MAX_ATTEMPTS = 3
+# A request whose stream was running on two replicas when each died or hung is not tried on a third:
+# it may be what kills them (a poison request), and each try would take another replica down.
+MAX_REPLICA_KILLS = 2
 INLINE_TOKENIZE_CHARS = 2000
 
 
 class Router:
     def __init__(self, registry: RegistryCache, usage_producer=None, region: str = "local",
                  choice: ChoiceParams | None = None, gateway: Gateway | None = None, max_waiting: int = 256,
-                 batch_yield: BatchYield | None = None) -> None:
+                 batch_yield: BatchYield | None = None, start_wait_s: float = 600.0,
+                 timeouts: StreamTimeouts | None = None) -> None:
         self.registry = registry
         self.usage = usage_producer
         self.region = region
         self.tokenizers = TokenizerCache()
         self.clients: dict[str, ReplicaClient] = {}
-        self.cordoned: dict[str, float] = {}  # replica -> monotonic time the router cordoned it
         self.replica_state = ReplicaStateTable()
+        self.replicas = ReplicaSet(registry, self.replica_state, start_wait_s)
+        self.cordoned = self.replicas.cordoned  # replica -> monotonic time the router cordoned it
         self.chooser = ReplicaChooser(self.replica_state, choice)
         self.gateway = gateway or Gateway()
+        self.quotas = QuotaLedger(registry.db_url)
         self.queues: dict[str, AdmissionQueue] = {}
         self.max_waiting = max_waiting
         self.requests = InflightRequests()
         self.batch_yield = batch_yield or BatchYield()
+        self.timeouts = timeouts or StreamTimeouts()
 
     @property
     def inflight(self) -> dict[str, int]:
@@ -64,38 +76,11 @@ class Router:
             raise RouterError("unauthenticated", "unknown API key")
         return caller
 
-    # --- resolution --------------------------------------------------------------------------------
     def resolve_model(self, caller: CallerInfo, req: GenerateRequest) -> ModelInfo:
-        snap = self.registry.snapshot
-        versions = snap.models.get(req.model)
-        if not versions:
-            known = ", ".join(sorted(snap.models)) or "none"
-            raise RouterError("not_found", f"model {req.model!r} is not served; known models: {known}")
-        if caller.allowed_models and req.model not in caller.allowed_models:
-            raise RouterError("permission_denied", f"caller {caller.name!r} may not use model {req.model!r}")
-        if req.tier in TIERS and TIERS.index(req.tier) < TIERS.index(caller.max_tier):
-            raise RouterError("permission_denied",
-                              f"priority {req.tier!r} is above caller {caller.name!r}'s maximum tier {caller.max_tier!r}")
-        if req.version:
-            if req.version not in versions:
-                raise RouterError("not_found", f"model {req.model!r} has no version {req.version!r}; "
-                                               f"known versions: {', '.join(sorted(versions))}")
-            version = req.version
-        else:
-            split = snap.routes.get(req.model)
-            if not split:
-                raise RouterError("unavailable", f"model {req.model!r} has no route; an operator must set one")
-            version = pick_version(split, req.session or caller.name)
-        if req.adapter:
-            adapter = snap.adapters.get(req.adapter)
-            if adapter is None or adapter.base_model != req.model:
-                known = sorted(a.name for a in snap.adapters.values() if a.base_model == req.model)
-                raise RouterError("not_found", f"adapter {req.adapter!r} does not exist for model {req.model!r}; "
-                                               f"known adapters: {', '.join(known) or 'none'}")
-            if adapter.owner_team != caller.team and req.adapter not in caller.allowed_adapters:
-                raise RouterError("permission_denied", f"adapter {req.adapter!r} belongs to team {adapter.owner_team!r}, "
-                                                       f"not to caller {caller.name!r}'s team {caller.team!r}")
-        return versions[version]
+        """The version `req` runs on (visibility rules), splitting by the shares versions can carry now."""
+        home = home_region(caller.region, self.region)
+        return resolve_model(self.registry.snapshot, caller, req,
+                             lambda: {r.version: r.effective for r in self.readiness(req.model, home)})
 
     async def prepare(self, caller: CallerInfo, req: GenerateRequest) -> Prepared:
         """Validate, tokenise, check quota, and wait for a replica slot (admission queue)."""
@@ -106,29 +91,36 @@ class Router:
             req.validate(model.max_context)
             if req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
                 raise RouterError("deadline_exceeded", f"deadline_ms {req.deadline_ms} has already passed")
+            req.check_prompt_size(model.max_context, *await self._limits(model))
             if req.prompt_ids is None:
                 req.prompt_ids = await self._tokenize(model, req)
             req.check_prompt_fits(model.max_context)
+            if req.seed is None and req.temperature > 0:  # so that a resumed stream continues the same draws
+                req.seed = secrets.randbits(63)
             p = Prepared(req, caller, model, list(req.prompt_ids), arrived=arrived,
                          home=home_region(caller.region, self.region))
             p.quota_reserved = len(p.prompt_ids) + req.max_tokens
-            self.gateway.reserve(caller.name, caller.token_quota_per_day, p.quota_reserved)
+            await self.quotas.reserve(req.request_id, caller.name, caller.token_quota_per_day, p.quota_reserved,
+                                      caller.max_concurrent)
         except RouterError as exc:
             metrics.REJECTED.labels(exc.code).inc()
             raise
-        if req.request_id in self.requests.handles:
-            self.gateway.settle(caller.name, p.quota_reserved, 0)
-            raise RouterError("invalid_argument", f"request id {req.request_id!r} is already in flight")
         p.handle = self.requests.register(req.request_id, caller.name)
         try:
             p.placement = await self.admit(p, set(), p.prompt_ids, req.max_tokens)
         except BaseException as exc:
             self.requests.unregister(p.handle)
-            self.gateway.settle(caller.name, p.quota_reserved, 0)
+            self.quotas.settle(req.request_id, 0)
             if isinstance(exc, RouterError):
                 metrics.REJECTED.labels(exc.code).inc()
             raise
         return p
+
+    async def _limits(self, model: ModelInfo) -> tuple[int, int]:
+        """(vocab size, max characters per token) of the model's tokenizer (loaded off the event loop once)."""
+        if self.tokenizers.loaded(model.weights_uri):
+            return self.tokenizers.limits(model.weights_uri)
+        return await asyncio.to_thread(self.tokenizers.limits, model.weights_uri)
 
     async def _tokenize(self, model: ModelInfo, req: GenerateRequest) -> list[int]:
         """Short prompts inline (a thread hop costs more than encoding them); long ones off the event loop."""
@@ -144,18 +136,11 @@ class Router:
 
     # --- admission and replicas ------------------------------------------------------------------------
     def serving_replicas(self, model: ModelInfo, exclude: set[str]) -> list[ReplicaInfo]:
-        out = []
-        for r in self.registry.snapshot.replicas:
-            if r.model != model.name or r.version != model.version or r.state != "serving" or r.replica_id in exclude:
-                continue
-            cordoned_at = self.cordoned.get(r.replica_id)
-            if cordoned_at is not None:
-                if self.replica_state.full_snapshots.get(r.replica_id, 0.0) <= cordoned_at + 1.0:
-                    continue
-                log.info("replica %s reports again after a restart: uncordoned", r.replica_id)
-                del self.cordoned[r.replica_id]
-            out.append(r)
-        return out
+        return self.replicas.serving(model, exclude)
+
+    def readiness(self, model: str, region: str) -> list[VersionReadiness]:
+        """Each version's ready replicas and effective share of the split in `region`."""
+        return self.replicas.readiness(model, region)
 
     def queue_for(self, model: ModelInfo) -> AdmissionQueue:
         key = f"{model.name}:{model.version}"
@@ -166,15 +151,16 @@ class Router:
 
     async def admit(self, p: Prepared, exclude: set[str], ids: list[int], max_tokens: int) -> Placement:
         """Reserve a slot on the best replica for prompt `ids`, waiting in the model version's admission
-        queue if none has room now."""
+        queue if none has room now or if its replicas are still starting (up to the request's deadline)."""
         req = p.req
-        if not any(candidate_tiers(self.serving_replicas(p.model, exclude), p.home, req.tier)):
-            raise RouterError("unavailable", f"no serving replica for {p.model.name} version {p.model.version} "
-                                             f"in region {p.home!r}", retry_after_ms=1000)
-
+        if self.replicas.must_wait(p.model, p.home, req.tier, exclude):
+            log.info("request %s waits for a starting replica of %s version %s", req.request_id, p.model.name,
+                     p.model.version)
         key = f"{p.model.name}:{p.model.version}"
 
         def try_place() -> Placement | None:
+            if self.replicas.must_wait(p.model, p.home, req.tier, exclude):  # raises once none starts
+                return None
             if req.tier == "batch" and not self.batch_yield.batch_may_start(key):
                 return None
             groups = candidate_tiers(self.serving_replicas(p.model, exclude), p.home, req.tier)
@@ -216,22 +202,7 @@ class Router:
         return client
 
     def cordon(self, replica_id: str, why: str) -> None:
-        """Stop routing to a replica that failed; recorded in the registry (and its audit log) for the fleet."""
-        if replica_id in self.cordoned:
-            return
-        self.cordoned[replica_id] = time.monotonic()
-        metrics.CORDONS.labels(replica_id).inc()
-        log.warning("cordoned replica %s: %s", replica_id, why)
-        asyncio.get_running_loop().run_in_executor(None, self._record_cordon, replica_id)
-
-    def _record_cordon(self, replica_id: str) -> None:
-        from registry import queries
-        from registry.db import session_scope
-        try:
-            with session_scope(self.registry.db_url) as s:
-                queries.set_replica_state(s, replica_id, "cordoned", actor="router")
-        except Exception as exc:
-            log.warning("could not record cordon of %s in the registry: %s", replica_id, exc)
+        self.replicas.cordon(replica_id, why)
 
     def cancel(self, request_id: str, caller: CallerInfo) -> None:
         if not self.requests.cancel(request_id, caller.name):
@@ -246,7 +217,7 @@ class Router:
         if p.placement is not None:
             self._release_slot(p.placement)
             p.placement = None
-        self.gateway.settle(p.caller.name, p.quota_reserved, 0)
+        self.quotas.settle(p.req.request_id, 0)
         if p.handle is not None:
             self.requests.unregister(p.handle)
 
@@ -263,6 +234,9 @@ class Router:
         finish: Finished | None = None
         replica_id, status, placement = "", "error", p.placement
         cached_tokens = 0
+        kills: list[str] = []  # replicas that died or hung while streaming this request
+        text = ResumeText()
+        ledger = open_ledger_entry(self.usage, p)
         if req.tier == "interactive":
             self.batch_yield.interactive_started(key)
         try:
@@ -287,21 +261,36 @@ class Router:
                     p.handle.preempted = False
                     self.batch_yield.batch_started(key, p.handle)
                 try:
-                    async for item in self.client_for(placement.replica).generate(
-                            req, p.prompt_ids + emitted, req.max_tokens - len(emitted), p.handle):
-                        if isinstance(item, TokenDelta):
-                            if first_token_at is None:
-                                first_token_at = time.monotonic()
-                                metrics.TTFT.labels(req.model, req.tier).observe(first_token_at - p.arrived)
-                            if prefill_pending:
-                                prefill_pending = False
-                                self.chooser.progress(placement, placement.load - (req.max_tokens - len(emitted)))
-                            self.chooser.progress(placement, len(item.token_ids))
-                            emitted.extend(item.token_ids)
-                            yield item
-                        else:
-                            cached_tokens = item.cached_prompt_tokens if not cached_tokens else cached_tokens
-                            finish = self._finished(p, item.finish_reason, emitted, replica_id, cached_tokens)
+                    if emitted:  # a resume (after a failure or a preemption)
+                        self._resume_text(p, text, emitted)
+                    upstream = self.client_for(placement.replica).generate(
+                        req, p.prompt_ids + emitted, req.max_tokens - len(emitted), p.handle,
+                        seed_offset=len(emitted) if req.seed is not None else 0)
+                    async with aclosing(guarded(upstream, self.timeouts.first_token_s[req.tier],
+                                                self.timeouts.inter_token_s[req.tier], req.deadline_ms)) as items:
+                        async for item in items:
+                            if isinstance(item, TokenDelta):
+                                if first_token_at is None:
+                                    first_token_at = time.monotonic()
+                                    metrics.TTFT.labels(req.model, req.tier).observe(first_token_at - p.arrived)
+                                if prefill_pending:
+                                    prefill_pending = False
+                                    self.chooser.progress(placement, placement.load - (req.max_tokens - len(emitted)))
+                                self.chooser.progress(placement, len(item.token_ids))
+                                emitted.extend(item.token_ids)
+                                if ledger is not None:
+                                    ledger.progress(len(emitted))
+                                yield text.delta(item)
+                            else:
+                                tail = text.tail()
+                                if tail:
+                                    yield TokenDelta(tail, [])
+                                cached_tokens = item.cached_prompt_tokens if not cached_tokens else cached_tokens
+                                finish = self._finished(p, item.finish_reason, emitted, replica_id, cached_tokens)
+                    break
+                except DeadlineReached:
+                    log.info("deadline of %s passed while waiting on replica %s", req.request_id, replica_id)
+                    finish = self._finished(p, "deadline", emitted, replica_id, cached_tokens)
                     break
                 except Preempted:
                     log.info("batch request %s preempted on %s after %d tokens; re-queued", req.request_id,
@@ -311,12 +300,22 @@ class Router:
                     failed.add(replica_id)
                     log.warning("replica %s failed during %s after %d tokens (attempt %d): %s", replica_id,
                                 req.request_id, len(emitted), failures, exc)
+                    if isinstance(exc, ReplicaHung):
+                        metrics.STREAM_TIMEOUTS.labels(replica_id).inc()
                     if not exc.alive:  # a replica that answers with an error stays in service
+                        kills.append(replica_id)
                         self.cordon(replica_id, f"stream of {req.request_id} broke: {exc}")
                     if req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
                         log.info("not retrying %s: its deadline has passed", req.request_id)
                         finish = self._finished(p, "deadline", emitted, replica_id, cached_tokens)
                         break
+                    if len(kills) >= MAX_REPLICA_KILLS:
+                        metrics.POISONED.labels(req.model).inc()
+                        log.error("request %s not retried: replicas %s died or hung while serving it (poison "
+                                  "request?)", req.request_id, ", ".join(kills))
+                        raise RouterError("replica_failure", f"request {req.request_id} was stopped: the replicas "
+                                          f"serving it ({', '.join(kills)}) died or hung, so it is not tried on "
+                                          f"a third; {len(emitted)} tokens were streamed and are billed") from exc
                     if failures == MAX_ATTEMPTS:
                         raise RouterError("unavailable", f"request failed on {MAX_ATTEMPTS} replicas: {exc}") from exc
                     metrics.RETRIES.labels(req.model).inc()
@@ -345,22 +344,25 @@ class Router:
                 self._release_slot(placement)
             if p.handle is not None:
                 self.requests.unregister(p.handle)
-            self.gateway.settle(p.caller.name, p.quota_reserved, len(p.prompt_ids) + len(emitted))
-            self._account(p, finish, status, emitted, first_token_at, replica_id)
+            self.quotas.settle(p.req.request_id, len(p.prompt_ids) + len(emitted))
+            account(self.usage, p, finish, status, len(emitted), first_token_at, replica_id, ledger)
+
+    def _resume_text(self, p: Prepared, text: ResumeText, emitted: list[int]) -> None:
+        """From the first resume on, the router decodes the stream's text itself (see ResumeText)."""
+        try:
+            text.resume(self.tokenizers.get(p.model.weights_uri), emitted)
+        except Exception as exc:  # no tokenizer here: fall back to the replica's text
+            log.warning("resume of %s keeps the replica's text (no tokenizer: %s)", p.req.request_id, exc)
 
     def _finished(self, p: Prepared, reason: str, emitted: list[int], replica_id: str, cached: int) -> Finished:
         return Finished(reason, len(p.prompt_ids), cached, len(emitted), p.model.name, p.model.version, replica_id)
-
-    def _account(self, p: Prepared, finish: Finished | None, status: str, emitted: list[int],
-                 first_token_at: float | None, replica_id: str) -> None:
-        account(self.usage, p, finish, status, len(emitted), first_token_at, replica_id)
 
     def warm_tokenizers(self) -> None:
         """Load the tokenizers of served model versions ahead of the first request (run in a thread)."""
         for versions in self.registry.snapshot.models.values():
             for info in versions.values():
                 try:
-                    self.tokenizers.get(info.weights_uri)
+                    self.tokenizers.limits(info.weights_uri)
                 except Exception as exc:  # a missing tokenizer is reported to the first caller that needs it
                     log.info("tokenizer for %s %s not preloaded: %s", info.name, info.version, exc)
 

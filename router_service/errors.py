@@ -7,6 +7,7 @@ import grpc
 
 _CODES = {
     "invalid_argument": (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    "too_large": (grpc.StatusCode.INVALID_ARGUMENT, 413),
     "unauthenticated": (grpc.StatusCode.UNAUTHENTICATED, 401),
     "permission_denied": (grpc.StatusCode.PERMISSION_DENIED, 403),
     "not_found": (grpc.StatusCode.NOT_FOUND, 404),
@@ -15,6 +16,8 @@ _CODES = {
     "unavailable": (grpc.StatusCode.UNAVAILABLE, 503),
     "internal": (grpc.StatusCode.INTERNAL, 500),
     "cancelled": (grpc.StatusCode.CANCELLED, 499),
+    # the replicas serving the request died or hung while streaming it (see core.MAX_REPLICA_KILLS)
+    "replica_failure": (grpc.StatusCode.ABORTED, 502),
 }
 
 

@@ -1,20 +1,26 @@
-"""Gateway checks per caller: request rate limit and daily token quota (docs/architecture.md, One request, step 3).
+"""Gateway checks per caller (docs/architecture.md, One request, step 3): request rate limit (per router, in
+memory), daily token quota and concurrency cap (shared by every router, in the registry database).
 
 API keys are looked up by their hash in the registry snapshot (`RegistryCache.caller_for_key`); the
-tier and adapter rights are checked in `Router.resolve_model`. This module holds the counters.
+tier and adapter rights are checked in `visibility.resolve_model`. This module holds the counters.
 
-Quota accounting is in memory, per UTC day, for one router: at admission a request reserves
-prompt + max_tokens tokens; when it ends the reservation is replaced by what it really used
-(prompt + completion). A router restart may warm-start today's usage from the usage store
-(`warm_start`). Several routers would need a shared counter (e.g. Redis INCRBY per caller-day or a
-per-router share of each quota); see docs/router.md.
+Quotas: at admission a request reserves prompt + max_tokens tokens and one concurrency slot in a lease row
+(registry/quotas.py); when it ends the reservation is replaced by what it really used (prompt + completion).
+Several routers share the rows, a restart forgets nothing, and a dead router's leases lapse.
 """
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
+import os
+import socket
 import time
+import uuid
 from dataclasses import dataclass
+
+from registry import quotas
+from registry.db import session_scope
 
 from router_service.errors import RouterError
 
@@ -43,9 +49,6 @@ class Gateway:
     def __init__(self, rate_per_s: float = DEFAULT_RATE_PER_S, burst: float = DEFAULT_BURST) -> None:
         self.rate_per_s = rate_per_s
         self.burst = burst
-        self.day = _today()
-        self.used: dict[str, int] = {}       # caller -> tokens used today (finished requests)
-        self.reserved: dict[str, int] = {}   # caller -> tokens reserved by requests in flight
         self.buckets: dict[str, _Bucket] = {}
 
     def check_rate(self, caller: str) -> None:
@@ -62,46 +65,57 @@ class Gateway:
                                                     f"requests/s (burst {self.burst:g})", wait_ms)
         b.tokens -= 1
 
-    def _roll_day(self) -> None:
-        today = _today()
-        if today != self.day:
-            log.info("quota day rolled over from %s to %s", self.day, today)
-            self.day, self.used = today, {}
 
-    def reserve(self, caller: str, quota: int, tokens: int) -> None:
-        """Reserve `tokens` of today's quota or raise RESOURCE_EXHAUSTED (retry after midnight UTC)."""
-        self._roll_day()
-        used = self.used.get(caller, 0) + self.reserved.get(caller, 0)
-        if used + tokens > quota:
-            raise RouterError("resource_exhausted",
-                              f"token quota: caller {caller!r} has used {used} of {quota} tokens today (UTC); this "
-                              f"request needs up to {tokens} (prompt + max_tokens)", _ms_to_midnight())
-        self.reserved[caller] = self.reserved.get(caller, 0) + tokens
+class QuotaLedger:
+    """The router's handle on the shared quota and concurrency rows (registry/quotas.py)."""
 
-    def settle(self, caller: str, reserved: int, actual: int) -> None:
-        """Replace a reservation by the tokens the request really used."""
-        self._roll_day()
-        self.reserved[caller] = max(0, self.reserved.get(caller, 0) - reserved)
-        self.used[caller] = self.used.get(caller, 0) + actual
+    def __init__(self, db_url: str, router_id: str | None = None) -> None:
+        self.db_url = db_url
+        self.router_id = router_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.leases: dict[str, str] = {}  # lease id -> caller, for the leases this router holds
+
+    def _admit(self, lease_id: str, caller: str, quota: int, tokens: int, max_concurrent: int) -> None:
+        try:
+            with session_scope(self.db_url) as s:
+                quotas.admit(s, lease_id=lease_id, caller=caller, day=_today(), router_id=self.router_id,
+                             tokens=tokens, quota=quota, max_concurrent=max_concurrent)
+        except quotas.QuotaRefused as exc:
+            retry = _ms_to_midnight() if exc.kind == "quota" else 1000
+            raise RouterError("resource_exhausted", exc.message, retry) from exc
+        self.leases[lease_id] = caller
+
+    async def reserve(self, lease_id: str, caller: str, quota: int, tokens: int, max_concurrent: int) -> None:
+        """Take a lease (tokens + one concurrency slot) or raise RESOURCE_EXHAUSTED."""
+        task = asyncio.ensure_future(asyncio.to_thread(self._admit, lease_id, caller, quota, tokens, max_concurrent))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:  # the caller left while the lease was being taken: give it back
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() or self.settle(lease_id, 0))
+            raise
+
+    def settle(self, lease_id: str, actual: int) -> None:
+        """Replace a lease's reservation by the tokens the request really used (idempotent; never raises)."""
+        if self.leases.pop(lease_id, None) is None:
+            return
+        try:
+            with session_scope(self.db_url) as s:
+                quotas.settle(s, lease_id, actual)
+        except Exception as exc:  # the lease lapses on its own; metering (usage events) is unaffected
+            log.warning("could not settle quota lease %s: %s", lease_id, exc)
 
     def usage_today(self, caller: str) -> dict:
-        self._roll_day()
-        return {"day": self.day, "used": self.used.get(caller, 0), "reserved": self.reserved.get(caller, 0)}
+        with session_scope(self.db_url) as s:
+            return quotas.usage(s, caller, _today())
 
-    def warm_start(self, duckdb_path) -> None:
-        """Best effort: load today's per-caller token totals from the usage store (skipped if locked/absent)."""
-        try:
-            import duckdb
-            con = duckdb.connect(str(duckdb_path), read_only=True)
+    async def renew_forever(self, every_s: float = quotas.LEASE_TTL_S / 4) -> None:
+        """Keep this router's leases alive while it runs (a dead router's lapse after LEASE_TTL_S)."""
+        while True:
+            await asyncio.sleep(every_s)
             try:
-                rows = con.execute(
-                    "SELECT caller, SUM(prompt_tokens + completion_tokens) FROM usage_events "
-                    "WHERE day = CAST(? AS DATE) GROUP BY caller", [self.day]).fetchall()
-            finally:
-                con.close()
-        except Exception as exc:  # a missing or busy store only means we start counting from zero
-            log.info("quota warm start skipped: %s", exc)
-            return
-        for caller, total in rows:
-            self.used[caller] = int(total or 0)
-        log.info("quota warm start: today's usage for %d callers loaded", len(rows))
+                await asyncio.to_thread(self._renew)
+            except Exception as exc:
+                log.warning("quota lease renewal failed: %s", exc)
+
+    def _renew(self) -> None:
+        with session_scope(self.db_url) as s:
+            quotas.renew(s, self.router_id)

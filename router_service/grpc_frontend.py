@@ -1,11 +1,17 @@
 """KServe v2 gRPC frontend: stock `tritonclient.grpc` works against the router as against Triton.
 
 Model names are registry model names (e.g. `smollm2-135m`); `model_version` picks a version explicitly,
-otherwise the rollout split does. Caller errors end the call with the matching gRPC status.
+otherwise the rollout split does. ModelInfer errors end the call with the matching gRPC status; on a
+ModelStreamInfer stream each request's error travels in-band (`error_message`, naming the request id) and
+the other requests on the stream carry on. Responses queue per stream with a bound (see stream_guard).
+
+Who may call it: callers with an API key, for every RPC but ServerLive / ServerReady / ServerMetadata;
+ModelMetadata, ModelReady and RepositoryIndex show only what the key may use (visibility.py).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -15,6 +21,7 @@ from tritonclient.grpc import service_pb2_grpc
 from router_service.core import Router
 from router_service.errors import RouterError
 from router_service.kserve_codec import decode_request, encode_stream_response, merge_responses
+from router_service.visibility import visible_models
 
 log = logging.getLogger(__name__)
 SERVER_NAME = "llm-fleet-router"
@@ -47,16 +54,26 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=SERVER_VERSION, extensions=["streaming"])
 
+    async def _visible(self, context) -> dict:
+        """The models (and pinnable versions) the calling key may see; aborts UNAUTHENTICATED without one."""
+        try:
+            caller = self.router.authenticate(_api_key(context))
+        except RouterError as exc:
+            await _abort(context, exc)
+        return visible_models(self.router.registry.snapshot, caller)
+
     async def ModelReady(self, request, context):
-        versions = self.router.registry.snapshot.models.get(request.name, {})
-        ok = bool(versions) and (not request.version or request.version in versions)
+        versions = (await self._visible(context)).get(request.name)
+        ok = versions is not None and (not request.version or request.version in versions)
         return pb.ModelReadyResponse(ready=ok)
 
     async def ModelMetadata(self, request, context):
-        versions = self.router.registry.snapshot.models.get(request.name)
-        if not versions:
-            known = ", ".join(sorted(self.router.registry.snapshot.models)) or "none"
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.name!r} is not served; known: {known}")
+        visible = await self._visible(context)
+        versions = visible.get(request.name)
+        if versions is None:
+            known = ", ".join(sorted(visible)) or "none"
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.name[:64]!r} is not served to you; "
+                                                           f"models you may use: {known}")
         T = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=request.name, versions=sorted(versions), platform="llm-fleet",
@@ -71,7 +88,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request, context):
         snap = self.router.registry.snapshot
         out = pb.RepositoryIndexResponse()
-        for name, versions in sorted(snap.models.items()):
+        for name, versions in sorted((await self._visible(context)).items()):
             for version, info in sorted(versions.items()):
                 pct = snap.routes.get(name, {}).get(version, 0)
                 out.models.add(name=name, version=version, state="READY" if info.status == "serving" else info.status.upper(),
@@ -96,25 +113,37 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return merge_responses(prepared.req, prepared.model.version, items)
 
     async def ModelStreamInfer(self, request_iterator, context):
-        """Each request on the stream runs concurrently; responses are interleaved as they come."""
+        """Each request on the stream runs concurrently; responses are interleaved as they come. A request's
+        error is sent in-band and ends only that request."""
         api_key = _api_key(context)
-        queue: asyncio.Queue = asyncio.Queue()
+        limits = self.router.timeouts
+        queue: asyncio.Queue = asyncio.Queue(maxsize=limits.queue_items)
         tasks: set[asyncio.Task] = set()
+
+        async def put(item) -> None:
+            try:
+                await asyncio.wait_for(queue.put(item), limits.slow_reader_s)
+            except TimeoutError:
+                raise RouterError("resource_exhausted", f"the caller read no response for {limits.slow_reader_s:g} s "
+                                  f"with {limits.queue_items} waiting: request stopped") from None
 
         async def run_one(request: pb.ModelInferRequest) -> None:
             prepared = None
             try:
                 prepared = await self._run(request, api_key)
-                async for item in self.router.stream(prepared):
-                    queue.put_nowait(encode_stream_response(prepared.req, prepared.model.version, item))
-            except RouterError as exc:
-                queue.put_nowait(exc)
+                async with contextlib.aclosing(self.router.stream(prepared)) as items:
+                    async for item in items:
+                        await put(encode_stream_response(prepared.req, prepared.model.version, item))
+            except RouterError as exc:  # the key belongs to the stream: a bad one ends the whole stream
+                await queue.put(exc if exc.code == "unauthenticated" else _stream_error(request, exc))
             except Exception as exc:
                 log.exception("stream request failed")
-                queue.put_nowait(RouterError("internal", f"internal error: {exc}"))
+                await queue.put(_stream_error(request, RouterError("internal", f"internal error: {exc}")))
             finally:
                 if prepared is not None:
                     self.router.release_unstarted(prepared)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await queue.put(None)  # this request's last item
 
         pending = 0  # requests whose last queue item (None) has not been taken yet
 
@@ -124,7 +153,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 pending += 1
                 task = asyncio.create_task(run_one(request))
                 tasks.add(task)
-                task.add_done_callback(lambda t: (tasks.discard(t), queue.put_nowait(None)))
+                task.add_done_callback(tasks.discard)
             await queue.put("eof")
 
         reader = asyncio.create_task(read_requests())
@@ -144,6 +173,17 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+
+
+def _stream_error(request: pb.ModelInferRequest, exc: RouterError) -> pb.ModelStreamInferResponse:
+    """One request's error on a stream, in-band: the stream and its other requests go on."""
+    rid = request.id or "(no id)"
+    retry = f" (retry after {exc.retry_after_ms} ms)" if exc.retry_after_ms is not None else ""
+    resp = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version, id=request.id)
+    if exc.retry_after_ms is not None:
+        resp.parameters["retry_after_ms"].int64_param = exc.retry_after_ms
+    return pb.ModelStreamInferResponse(error_message=f"request {rid}: {exc.grpc_status.name}: {exc.message}{retry}",
+                                       infer_response=resp)
 
 
 async def start_grpc_server(router: Router, host: str, port: int) -> grpc.aio.Server:

@@ -1,6 +1,12 @@
-"""HTTP frontend: OpenAI-compatible `/v1/*` with SSE streaming, admin endpoints, state reports, /metrics."""
+"""HTTP frontend on the callers' port: OpenAI-compatible `/v1/*` with SSE streaming, admin endpoints, /metrics.
+
+Who may call it: callers with an API key (`/v1/*`), operators and viewers with a named admin token
+(`/admin/*`); `/health` and `/metrics` are open. Replica state reports are not here: they go to the internal
+listener (internal_api.py)."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 
@@ -14,9 +20,11 @@ from pydantic import ValidationError
 from router_service.admin_api import admin_router
 from router_service.core import Router
 from router_service.errors import RouterError
+from router_service.http_body import read_body
 from router_service.metrics import refresh_replica_gauges
 from router_service.openai_schema import ChatBody, CompletionBody
 from router_service.request import TIERS, Finished, Prepared, TokenDelta
+from router_service.visibility import visible_models
 
 
 MAX_BODY_BYTES = 4_000_000
@@ -32,8 +40,7 @@ def _bearer(request: Request) -> str | None:
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
-def create_app(router: Router, admin_tokens: dict[str, str]) -> FastAPI:
-    """admin_tokens: token -> role (`operator` or `viewer`)."""
+def create_app(router: Router) -> FastAPI:
     app = FastAPI(title="LLM fleet router", version="0.1.0")
 
     @app.exception_handler(RouterError)
@@ -56,13 +63,13 @@ def create_app(router: Router, admin_tokens: dict[str, str]) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        router.authenticate(_bearer(request))
+        caller = router.authenticate(_bearer(request))
         snap = router.registry.snapshot
         data = [{"id": name, "object": "model", "owned_by": "fleet", "versions": sorted(versions),
                  "routes": snap.routes.get(name, {}), "tiers": list(TIERS),
                  "status": {v: info.status for v, info in sorted(versions.items())},
-                 "max_context": max(v.max_context for v in versions.values())}
-                for name, versions in sorted(snap.models.items())]
+                 "max_context": max(v.max_context for v in snap.models[name].values())}
+                for name, versions in sorted(visible_models(snap, caller).items())]
         return {"object": "list", "data": data}
 
     async def run(request: Request, schema: type[CompletionBody] | type[ChatBody], chat: bool):
@@ -74,9 +81,11 @@ def create_app(router: Router, admin_tokens: dict[str, str]) -> FastAPI:
                                      headers={"x-request-id": prepared.req.request_id},
                                      background=BackgroundTask(router.release_unstarted, prepared))
         try:
-            items = [item async for item in router.stream(prepared)]
+            items = await _collect_unless_disconnected(request, router.stream(prepared))
         finally:
             router.release_unstarted(prepared)
+        if items is None:  # the caller left: generation was stopped; nobody reads this answer
+            return Response(status_code=499)
         text = "".join(i.text for i in items if isinstance(i, TokenDelta))
         final = next(i for i in items if isinstance(i, Finished))
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": final.finish_reason}
@@ -100,15 +109,7 @@ def create_app(router: Router, admin_tokens: dict[str, str]) -> FastAPI:
         router.cancel(request_id, caller)
         return {"id": request_id, "cancelled": True}
 
-    @app.post("/internal/replica-state")
-    async def replica_state(report: dict):
-        try:
-            router.replica_state.apply(report)
-        except ValueError as exc:
-            raise RouterError("invalid_argument", str(exc)) from exc
-        return {"ok": True}
-
-    app.include_router(admin_router(router, admin_tokens))
+    app.include_router(admin_router(router))
     return app
 
 
@@ -122,9 +123,7 @@ def _describe(errors) -> str:
 
 async def _parse(request: Request, schema):
     """Parse the JSON body ourselves so every problem names its field (any Content-Type is accepted)."""
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise RouterError("invalid_argument", f"body: {len(raw)} bytes is over the limit of {MAX_BODY_BYTES} bytes")
+    raw = await read_body(request, MAX_BODY_BYTES)
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -135,6 +134,32 @@ async def _parse(request: Request, schema):
         return schema.model_validate(data)
     except ValidationError as exc:
         raise RouterError("invalid_argument", _describe(exc.errors())) from exc
+
+
+async def _collect_unless_disconnected(request: Request, stream) -> list | None:
+    """All of a non-streamed answer, or None once the caller disconnects (the upstream call is cancelled,
+    so the replica stops generating for nobody)."""
+    async def collect() -> list:
+        return [item async for item in stream]
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.create_task(collect()), asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    return None
 
 
 def _usage(final: Finished) -> dict:

@@ -10,6 +10,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor, triton_to_np_dtype
 
+from common.names import CLIENT_ID_RE, CLIENT_ID_RULE
 from router_service.errors import RouterError, invalid
 from router_service.request import TIERS, Finished, GenerateRequest, TokenDelta
 
@@ -78,7 +79,10 @@ def decode_request(request: pb.ModelInferRequest) -> GenerateRequest:
         raise invalid(sorted(unknown)[0], f"unknown request parameter; allowed: {', '.join(sorted(PARAMETERS))}")
     if ("text_input" in tensors) == ("input_ids" in tensors):
         raise invalid("text_input", "send exactly one of text_input (BYTES[1]) or input_ids (INT32[-1])")
-    req = GenerateRequest(request_id=request.id or uuid.uuid4().hex, model=request.model_name,
+    if request.id and not CLIENT_ID_RE.match(request.id):
+        raise invalid("id", f"the request id may have {CLIENT_ID_RULE}")
+    # the caller's id is only echoed back; billing and de-duplication use the router's own unique id
+    req = GenerateRequest(request_id="req-" + uuid.uuid4().hex, client_id=request.id, model=request.model_name,
                           version=request.model_version or (str(params["version"]) if params.get("version") else None))
     if "text_input" in tensors:
         req.prompt_text = _text(tensors["text_input"][0], "text_input")
@@ -112,11 +116,14 @@ def tier_from_param(value) -> str:
     """`priority`/`tier` as a tier name, or as an integer 0 interactive, 1 standard, 2 batch."""
     if value is None or value == "":
         return "standard"
-    if isinstance(value, str) and not value.isdigit():
-        if value not in TIERS:
-            raise invalid("priority", f"{value!r} is not a tier; allowed: {', '.join(TIERS)} (or 0, 1, 2)")
+    if isinstance(value, str) and value in TIERS:
         return value
-    index = int(value)
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) < 4:
+        index = int(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        index = value
+    else:
+        raise invalid("priority", f"{str(value)[:32]!r} is not a tier; allowed: {', '.join(TIERS)} (or 0, 1, 2)")
     if not 0 <= index < len(TIERS):
         raise invalid("priority", f"{index} is out of range; allowed: 0 interactive, 1 standard, 2 batch")
     return TIERS[index]
@@ -127,8 +134,8 @@ def deadline_from_param(value) -> int:
     import time
     try:
         ms = int(value)
-    except (TypeError, ValueError) as exc:
-        raise invalid("deadline_ms", f"must be an integer number of milliseconds, got {value!r}") from exc
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise invalid("deadline_ms", f"must be an integer number of milliseconds, got {str(value)[:32]!r}") from exc
     if ms <= 0:
         raise invalid("deadline_ms", f"must be positive, got {ms}")
     now_ms = int(time.time() * 1000)
@@ -169,7 +176,7 @@ def encode_stream_response(req: GenerateRequest, version: str, item: TokenDelta 
     out = pb.ModelStreamInferResponse()
     out.CopyFrom(_PROTOTYPE)
     resp = out.infer_response
-    resp.model_name, resp.model_version, resp.id = req.model, version, req.request_id
+    resp.model_name, resp.model_version, resp.id = req.model, version, req.client_id or req.request_id
     resp.outputs[1].shape[0] = len(ids)
     resp.raw_output_contents.extend((_bytes1(text.encode()), array("i", ids).tobytes(), _bytes1(reason.encode()),
                                      array("i", usage).tobytes()))

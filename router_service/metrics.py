@@ -37,6 +37,8 @@ CANCELS = Counter("fleet_router_cancels_total", "Requests cancelled (disconnect,
                   ["model", "how"])
 PREEMPTIONS = Counter("fleet_router_preemptions_total", "Batch streams paused for interactive work and re-queued "
                       "(FLEET_ROUTER_BATCH_YIELD=preempt)", ["model"])
+REPORTS_REFUSED = Counter("fleet_router_state_reports_refused_total", "Replica state reports refused on the internal "
+                          "listener (unauthenticated, not_found, invalid_argument, ...)", ["code"])
 LORA_WEIGHT_SENDS = Counter("fleet_router_lora_weight_sends_total", "Requests on which the router asked a replica "
                             "to attach LoRA weights: first use there, or resent after the backend's not-cached "
                             "answer", ["replica", "reason"])
@@ -60,3 +62,11 @@ def refresh_replica_gauges(router) -> None:
             REPLICA_KV.labels(r.replica_id, r.model, r.version).set(1.0 - free / total)
         if state.report.get("waiting") is not None:
             REPLICA_WAITING.labels(r.replica_id, r.model, r.version).set(state.report["waiting"])
+STREAM_TIMEOUTS = Counter("fleet_router_stream_timeouts_total", "Upstream streams given up because the replica sent "
+                          "nothing within the first-token or inter-token timeout (hung replica)", ["replica"])
+POISONED = Counter("fleet_router_poison_requests_total", "Requests stopped with an error, not retried, after the "
+                   "replicas serving them died or hung twice", ["model"])
+USAGE_EMIT_ERRORS = Counter("fleet_router_usage_emit_errors_total", "Usage events that could not be spooled "
+                            "(e.g. ENOSPC); their tokens stay in the in-flight ledger", ["error"])
+USAGE_LEDGER_FULL = Counter("fleet_router_usage_ledger_full_total", "Streams that found no free slot in the "
+                            "in-flight usage ledger (billed only when they end)")

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from router_service.kserve_codec import deadline_from_param, tier_from_param
-from router_service.request import GenerateRequest
+from router_service.request import MAX_CHAT_MESSAGES, GenerateRequest
 
 
 class _Common(BaseModel):
@@ -71,7 +71,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatBody(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
 
     def request(self) -> GenerateRequest:
         msgs = [{"role": m.role, "content": m.content} for m in self.messages]

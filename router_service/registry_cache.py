@@ -8,9 +8,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 from registry import queries
+from registry.admin_tokens import AdminIdentity, active_identities
 from registry.db import session_scope
+from registry.warm_buffers import PoolSettings, managed_pools
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,8 @@ class CallerInfo:
     allowed_models: tuple[str, ...]
     allowed_adapters: tuple[str, ...]
     region: str
+    canary_access: bool = False  # may pin versions that take no traffic (staged canaries)
+    max_concurrent: int = 0  # streams in flight at once across every router (0 = no cap)
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,8 @@ class ReplicaInfo:
     grpc_url: str
     http_url: str
     state: str
+    started_at: float = 0.0  # epoch seconds the row was written as starting (bounds how long it counts as starting)
+    pid: int = 0  # changes when the actuator restarts the replica (lifts the router's own cordon)
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,8 @@ class AdapterInfo:
     name: str
     base_model: str
     owner_team: str
+    base_version: str = ""
+    status: str = "ready"
 
 
 @dataclass
@@ -61,6 +70,8 @@ class Snapshot:
     callers_by_hash: dict[str, CallerInfo] = field(default_factory=dict)
     replicas: list[ReplicaInfo] = field(default_factory=list)
     adapters: dict[str, AdapterInfo] = field(default_factory=dict)
+    pools: dict[tuple[str, str], PoolSettings] = field(default_factory=dict)  # (model, version) -> scaling settings
+    admin_tokens: tuple[AdminIdentity, ...] = ()
 
 
 def load_snapshot(db_url: str) -> Snapshot:
@@ -74,11 +85,20 @@ def load_snapshot(db_url: str) -> Snapshot:
         for c in queries.list_callers(s):
             snap.callers_by_hash[c.api_key_hash] = CallerInfo(
                 c.name, c.team, c.max_tier, c.token_quota_per_day, tuple(c.allowed_models or ()),
-                tuple(c.allowed_adapters or ()), c.region)
-        snap.replicas = [ReplicaInfo(r.replica_id, r.model, r.version, r.region, r.grpc_url, r.http_url, r.state)
-                         for r in queries.list_replicas(s)]
-        snap.adapters = {a.name: AdapterInfo(a.name, a.base_model, a.owner_team) for a in queries.list_adapters(s)}
+                tuple(c.allowed_adapters or ()), c.region, bool(c.canary_access), int(c.max_concurrent or 0))
+        snap.replicas = [ReplicaInfo(r.replica_id, r.model, r.version, r.region, r.grpc_url, r.http_url, r.state,
+                                     _epoch(r.started_at), r.pid or 0) for r in queries.list_replicas(s)]
+        snap.admin_tokens = active_identities(s)
+        snap.adapters = {a.name: AdapterInfo(a.name, a.base_model, a.owner_team, a.base_version, a.status)
+                         for a in queries.list_adapters(s)}
+        snap.pools = {(p.model, p.version): p for p in managed_pools(s)}
     return snap
+
+
+def _epoch(at: datetime | None) -> float:
+    if at is None:
+        return 0.0
+    return (at if at.tzinfo else at.replace(tzinfo=timezone.utc)).timestamp()  # SQLite drops the zone
 
 
 class RegistryCache:

@@ -15,12 +15,16 @@ from router_service.replica_choice import Placement
 TIERS = ("interactive", "standard", "batch")
 TIER_INDEX = {name: i for i, name in enumerate(TIERS)}
 MAX_STOP_WORDS = 16
+MAX_STOP_CHARS = 256        # each stop string: the engine matches every stop against every new token
+MAX_STOP_TOTAL_CHARS = 1024
 MAX_PROMPT_BYTES = 1_000_000
+MAX_CHAT_MESSAGES = 512
+MAX_SESSION_CHARS = 256
 
 
 @dataclass
 class GenerateRequest:
-    request_id: str
+    request_id: str  # assigned by the router, unique: the usage de-duplication key, never the caller's
     model: str
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
@@ -36,6 +40,7 @@ class GenerateRequest:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     session: str = ""  # rollout stickiness key; the caller name when empty
+    client_id: str = ""  # the caller's own request id, echoed back for correlation only (common.names.CLIENT_ID_RE)
 
     def validate(self, max_context: int) -> None:
         """Field checks that need no registry; the message names the field, the reason and what is allowed."""
@@ -49,14 +54,37 @@ class GenerateRequest:
             raise invalid("temperature", f"must be between 0 and 2, got {self.temperature}")
         if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise invalid("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise invalid("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.top_k < 2**31:
+            raise invalid("top_k", f"must be in [0, 2^31) (0 = off), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise invalid("seed", f"must be in [0, 2^64), got {self.seed}")
         if len(self.stop) > MAX_STOP_WORDS or any(not s for s in self.stop):
             raise invalid("stop", f"at most {MAX_STOP_WORDS} non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop) or sum(map(len, self.stop)) > MAX_STOP_TOTAL_CHARS:
+            raise invalid("stop", f"each stop string may have at most {MAX_STOP_CHARS} characters and all of them "
+                                  f"together {MAX_STOP_TOTAL_CHARS}")
+        if self.chat_messages is not None and len(self.chat_messages) > MAX_CHAT_MESSAGES:
+            raise invalid("messages", f"{len(self.chat_messages)} messages; at most {MAX_CHAT_MESSAGES}")
+        if len(self.session) > MAX_SESSION_CHARS:
+            raise invalid("session", f"at most {MAX_SESSION_CHARS} characters")
+        if self.prompt_ids is not None and len(self.prompt_ids) > max_context:
+            raise invalid("prompt", f"has {len(self.prompt_ids)} token ids; the model's context is {max_context}")
         if self.prompt_text is not None and len(self.prompt_text.encode("utf-8", "surrogatepass")) > MAX_PROMPT_BYTES:
             raise invalid("prompt", f"is larger than {MAX_PROMPT_BYTES} bytes")
+
+    def check_prompt_size(self, max_context: int, vocab_size: int, max_token_chars: int) -> None:
+        """Checks before tokenising: a text prompt longer than the context could ever hold (each token stands
+        for at most `max_token_chars` characters) is refused unread; token ids must exist in the vocabulary."""
+        if self.prompt_ids is not None:
+            bad = next((t for t in self.prompt_ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise invalid("prompt", f"token id {bad} is out of range; allowed: 0..{vocab_size - 1}")
+            return
+        texts = [m["content"] for m in self.chat_messages] if self.chat_messages is not None else [self.prompt_text or ""]
+        chars = sum(map(len, texts))
+        if chars > max_context * max_token_chars:
+            raise invalid("prompt", f"has {chars} characters, more than the model's context of {max_context} tokens "
+                                    f"can hold")
 
     def check_prompt_fits(self, max_context: int) -> None:
         n = len(self.prompt_ids or [])

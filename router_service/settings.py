@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from router_service.batch_yield import DEFAULT_GRACE_S, BatchYield
 from router_service.gateway import DEFAULT_BURST, DEFAULT_RATE_PER_S, Gateway
 from router_service.replica_choice import ChoiceParams
+from router_service.stream_guard import (DEFAULT_FIRST_TOKEN_S, DEFAULT_INTER_TOKEN_S, DEFAULT_SLOW_READER_S,
+                                         DEFAULT_STREAM_QUEUE, StreamTimeouts, per_tier)
 
 DEFAULT_MAX_WAITING = 256
 _CHOICE = ChoiceParams()
@@ -34,6 +36,18 @@ class RouterSettings(BaseSettings):
     policy: Literal["ours", "round_robin", "least_loaded", "prefix_hash"] = "ours"
     rate_limit_rps: float = Field(DEFAULT_RATE_PER_S, gt=0)
     rate_limit_burst: float = Field(DEFAULT_BURST, gt=0)
+    start_wait_s: float = Field(600.0, gt=0, description="a replica row `starting` for longer than this no longer "
+                                                        "counts as starting (requests stop waiting for it)")
+    first_token_timeout_s: str = Field("", description="per tier, e.g. 'interactive=15,standard=30,batch=60'")
+    inter_token_timeout_s: str = Field("", description="per tier, e.g. 'interactive=10,standard=15,batch=30'")
+    stream_queue: int = Field(DEFAULT_STREAM_QUEUE, gt=0, description="gRPC stream responses queued for a reader")
+    slow_reader_timeout_s: float = Field(DEFAULT_SLOW_READER_S, gt=0)
+
+    @field_validator("first_token_timeout_s", "inter_token_timeout_s")
+    @classmethod
+    def _tiers(cls, value: str) -> str:
+        per_tier(value, DEFAULT_FIRST_TOKEN_S)  # raises with the problem: the router refuses to start
+        return value
 
     def choice_params(self) -> ChoiceParams:
         return ChoiceParams(load_weight=self.load_weight, epsilon=self.load_epsilon,
@@ -43,6 +57,11 @@ class RouterSettings(BaseSettings):
 
     def gateway(self) -> Gateway:
         return Gateway(self.rate_limit_rps, self.rate_limit_burst)
+
+    def stream_timeouts(self) -> StreamTimeouts:
+        return StreamTimeouts(per_tier(self.first_token_timeout_s, DEFAULT_FIRST_TOKEN_S),
+                              per_tier(self.inter_token_timeout_s, DEFAULT_INTER_TOKEN_S),
+                              self.stream_queue, self.slow_reader_timeout_s)
 
     def batch_yielder(self) -> BatchYield:
         return BatchYield(self.batch_yield, self.batch_grace_s)

@@ -14,6 +14,7 @@ from router_service.errors import RouterError
 class TokenizerCache:
     def __init__(self) -> None:
         self._tokenizers: dict[str, object] = {}
+        self._limits: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
 
     def get(self, weights_dir: str):
@@ -25,6 +26,18 @@ class TokenizerCache:
                     raise RouterError("unavailable", f"tokenizer for this model version is missing at {weights_dir}")
                 tok = self._tokenizers[weights_dir] = AutoTokenizer.from_pretrained(weights_dir)
             return tok
+
+    def limits(self, weights_dir: str) -> tuple[int, int]:
+        """(vocab size, most characters one token can stand for): the bounds the router checks prompts
+        against before spending tokeniser time (cached per tokenizer)."""
+        with self._lock:
+            cached = self._limits.get(weights_dir)
+        if cached is None:
+            tok = self.get(weights_dir)
+            cached = (len(tok), max(len(t) for t in tok.get_vocab()))  # byte-level tokens: len >= decoded chars
+            with self._lock:
+                self._limits[weights_dir] = cached
+        return cached
 
     def loaded(self, weights_dir: str) -> bool:
         return weights_dir in self._tokenizers

@@ -114,10 +114,13 @@ class ReplicaClient:
     async def close(self) -> None:
         await self.client.close()
 
-    def _open(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int, done: asyncio.Event, lora_load: bool):
+    def _open(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int, done: asyncio.Event, lora_load: bool,
+              seed_offset: int = 0):
         params = {"llm_priority": TIER_INDEX[req.tier], "deadline_ms": int(req.deadline_ms or 0)}
         if lora_load:
             params["lora_load"] = True
+        if seed_offset:  # a resumed seeded stream: the engine continues the random stream at this step
+            params["seed_offset"] = seed_offset
         request = _get_inference_request(
             model_name=ENSEMBLE, inputs=build_inputs(req, prompt_ids, max_tokens), model_version="",
             request_id=req.request_id, outputs=[InferRequestedOutput(name) for name in OUTPUTS], sequence_id=0,
@@ -132,7 +135,7 @@ class ReplicaClient:
         return self.client._client_stub.ModelStreamInfer(requests())
 
     async def generate(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int,
-                       handle: CancelHandle | None = None) -> AsyncIterator[TokenDelta | Finished]:
+                       handle: CancelHandle | None = None, seed_offset: int = 0) -> AsyncIterator[TokenDelta | Finished]:
         """Stream deltas then one Finished; raises ReplicaFailed if the replica breaks the stream.
 
         Closing this generator early (caller cancel) cancels the upstream call, so the engine frees the
@@ -144,20 +147,21 @@ class ReplicaClient:
         if lora_load:
             metrics.LORA_WEIGHT_SENDS.labels(self.replica_id, "first").inc()
         try:
-            async for item in self._attempt(req, prompt_ids, max_tokens, handle, lora_load):
+            async for item in self._attempt(req, prompt_ids, max_tokens, handle, lora_load, seed_offset):
                 yield item
         except LoraNotCached:
             log.info("replica %s no longer caches adapter %s: sending its weights again", self.replica_id, adapter)
             metrics.LORA_WEIGHT_SENDS.labels(self.replica_id, "not_cached").inc()
-            async for item in self._attempt(req, prompt_ids, max_tokens, handle, True):
+            async for item in self._attempt(req, prompt_ids, max_tokens, handle, True, seed_offset):
                 yield item
 
     async def _attempt(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int,
-                       handle: CancelHandle | None, lora_load: bool) -> AsyncIterator[TokenDelta | Finished]:
+                       handle: CancelHandle | None, lora_load: bool,
+                       seed_offset: int = 0) -> AsyncIterator[TokenDelta | Finished]:
         done = asyncio.Event()
         if lora_load:
             self.lora_sent.add(req.adapter)
-        stream = self._open(req, prompt_ids, max_tokens, done, lora_load)
+        stream = self._open(req, prompt_ids, max_tokens, done, lora_load, seed_offset)
         if handle is not None:
             handle.upstream = stream
             if handle.cancelled or handle.preempted:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 from common.processes import free_port, stop_pid
@@ -30,10 +31,16 @@ from usage.events import UsageEvent
 from usage.producer import UsageProducer
 
 
+def source_tokens(request_id: str) -> int:
+    """The completion tokens the source billed for this id (varies per id, so a double count shows in the sum)."""
+    return 1 + zlib.crc32(request_id.encode()) % 200
+
+
 def make_event(request_id: str, caller: str = "bench-caller", team: str = "bench-team") -> UsageEvent:
     return UsageEvent(request_id=request_id, ts=time.time(), caller=caller, team=team, model="smollm2-135m",
                       version="1", priority="interactive", replica_id="replica-0", prompt_tokens=512,
-                      cached_prompt_tokens=128, completion_tokens=64, ttft_ms=42.0, duration_ms=900.0,
+                      cached_prompt_tokens=128, completion_tokens=source_tokens(request_id), ttft_ms=42.0,
+                      duration_ms=900.0,
                       finish_reason="stop", status="ok")
 
 
@@ -118,12 +125,18 @@ def start_loader(bootstrap: str, store_path: Path, topic: str, group: str, log: 
 
 def stored_ids(store_path: Path, prefix: str) -> tuple[int, set[str]]:
     """(rows, distinct request_ids) with this prefix in the store."""
+    rows, ids, _ = stored_usage(store_path, prefix)
+    return rows, ids
+
+
+def stored_usage(store_path: Path, prefix: str) -> tuple[int, set[str], int]:
+    """(rows, distinct request_ids, billed completion tokens) with this prefix in the store."""
     if not store_path.exists():
-        return 0, set()
+        return 0, set(), 0
     with store.connect(store_path, read_only=True) as con:
-        ids = [r[0] for r in con.execute("SELECT request_id FROM usage_events WHERE request_id LIKE ?",
-                                         [prefix + "-%"]).fetchall()]
-    return len(ids), set(ids)
+        got = con.execute("SELECT request_id, completion_tokens FROM usage_events WHERE request_id LIKE ?",
+                          [prefix + "-%"]).fetchall()
+    return len(got), {r[0] for r in got}, sum(r[1] for r in got)
 
 
 def wait_stored(store_path: Path, prefix: str, expected: int, timeout_s: float) -> tuple[int, set[str]]:
@@ -135,10 +148,18 @@ def wait_stored(store_path: Path, prefix: str, expected: int, timeout_s: float) 
         time.sleep(0.5)
 
 
-def _result(name: str, emitted_ids: set[str], rows: int, ids: set[str], **extra) -> dict:
+def _result(name: str, emitted_ids: set[str], store_path: Path, prefix: str, sources: set[str] | None = None,
+            **extra) -> dict:
+    """Counts from the source: every stored row must match one distinct emitted event (`duplicates` counts
+    rows beyond that), and the billed tokens must equal what the source billed for those events
+    (`overbilled_tokens`), so a double count shows even where the table's key would hide a repeated row."""
+    sources = emitted_ids if sources is None else sources  # ids that may legitimately be stored
+    rows, ids, billed = stored_usage(store_path, prefix)
     missing = emitted_ids - ids
+    matched = ids & sources
     return {"scenario": name, "emitted": len(emitted_ids), "stored_rows": rows, "stored_distinct": len(ids),
-            "missing": len(missing), "duplicates": rows - len(ids), "unexpected": len(ids - emitted_ids),
+            "missing": len(missing), "duplicates": rows - len(matched), "unexpected": len(ids - sources),
+            "billed_tokens": billed, "overbilled_tokens": billed - sum(source_tokens(i) for i in matched),
             "missing_sample": sorted(missing)[:5], **extra}
 
 
@@ -175,12 +196,12 @@ def broker_outage(settings: Settings, work_dir: Path, outage_s: float, mode: str
         emitted = emitter.stop()
         drained = producer.flush(drain_timeout_s)
         t_drained = time.monotonic() - t_back
-        rows, ids = wait_stored(store_path, prefix, emitted, drain_timeout_s)
+        _, ids = wait_stored(store_path, prefix, emitted, drain_timeout_s)
         emitted_ids = {f"{prefix}-{i}" for i in range(emitted)}
         # Were any lost, they would be events the in-memory broker acknowledged before the stop and the loader
         # had not read (the producer's replay window exists to cover exactly those).
         lost_ok = {f"{prefix}-{i}" for i in range(at_stop["emitted"])} if mode == "restart" else set()
-        return _result(f"broker_outage_{mode}", emitted_ids, rows, ids, outage_s=outage_s, rate=rate,
+        return _result(f"broker_outage_{mode}", emitted_ids, store_path, prefix, outage_s=outage_s, rate=rate,
                        at_stop=at_stop, spooled_peak=spooled_peak, flushed=drained,
                        drain_after_outage_s=round(t_drained, 2), replayed=producer.replayed,
                        missing_from_before_stop=len((emitted_ids - ids) & lost_ok),
@@ -219,10 +240,10 @@ def loader_kill(settings: Settings, work_dir: Path, kills: int = 3, interval_s: 
         emitted = emitter.stop()
         producer.flush(drain_timeout_s)
         proc = start_loader(broker.bootstrap, store_path, topic, group, log)
-        rows, ids = wait_stored(store_path, prefix, emitted, drain_timeout_s)
+        wait_stored(store_path, prefix, emitted, drain_timeout_s)
         proc.terminate()
         proc.wait(timeout=30)
-        return _result("loader_kill", {f"{prefix}-{i}" for i in range(emitted)}, rows, ids, kills=killed, rate=rate)
+        return _result("loader_kill", {f"{prefix}-{i}" for i in range(emitted)}, store_path, prefix, kills=killed, rate=rate)
     finally:
         emitter._stop.set()
         producer.close(timeout_s=1)
@@ -272,14 +293,11 @@ def router_kill(settings: Settings, work_dir: Path, rate: float = 2000.0, run_s:
     finally:
         loader.close()
         broker.stop()
-    rows, ids = stored_ids(store_path, prefix)
     must = {f"{prefix}-{i}" for i in range(confirmed)}
     # Up to 100 emits may have returned after the last progress line: they may land too, nothing beyond.
     possible = {f"{prefix}-{i}" for i in range(confirmed + 100)}
-    res = _result("router_kill", must, rows, ids, spooled_at_restart=spooled_at_restart, flushed=flushed,
-                  broker_down_before_kill=broker_down)
-    res["unexpected"] = len(ids - possible)
-    return res
+    return _result("router_kill", must, store_path, prefix, sources=possible, spooled_at_restart=spooled_at_restart, flushed=flushed,
+                   broker_down_before_kill=broker_down)
 
 
 def _p99_ms(lat: list[float]) -> float:

@@ -7,8 +7,8 @@ Offsets are committed only after the write, so a crash at any point re-delivers 
 and the primary key on request_id turns that redelivery (and any producer resend) into no-ops:
 no loss, no duplicate rows.
 
-Bad events (invalid JSON, schema violations, negative tokens, cached > prompt tokens, unknown caller
-when a caller set is given) go to the dead-letter topic with the reason, are recorded in
+Bad events (invalid JSON, schema violations, negative tokens, cached > prompt tokens, a ts or count the
+store cannot hold, unknown caller when a caller set is given, or anything else DuckDB refuses) go to the dead-letter topic with the reason, are recorded in
 `usage_rejects` and counted in `stats`, and never stop the loader.
 
 Run: `fleet usage load` or `python -m usage.loader --help`.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import operator
 import os
 import signal
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import duckdb
 import pandas as pd
 from kafka.structs import OffsetAndMetadata, TopicPartition
 from pydantic import ValidationError
@@ -40,6 +42,8 @@ from usage.kafka_io import close_producer, ensure_topics, make_consumer, make_pr
 
 log = logging.getLogger(__name__)
 
+MAX_TS = 253402300800.0  # 10000-01-01: the store keeps `day` as a DATE and ts * 1000 as a BIGINT
+MAX_TOKENS = 1 << 62
 CALLER_REFRESH_S = 30.0
 CALLER_MISS_REFRESH_S = 5.0  # a caller created a moment ago: refresh early rather than reject it
 
@@ -120,18 +124,21 @@ class UsageLoader:
             records.extend(got)
         return records
 
-    def _store(self, validated: tuple[list[tuple], list], consumed: int) -> None:
+    def _store(self, validated: tuple[list[tuple], list, dict], consumed: int) -> None:
         """One DuckDB transaction for the batch's rows and rejects, then the dead letters (flushed).
         Runs on the writer thread in `run()`; DuckDB releases the GIL, so the next poll overlaps it."""
-        rows, rejects = validated
+        rows, rejects, origins = validated
         t0 = time.perf_counter()
-        with store.connect(self.store_path) as con:
-            con.execute("BEGIN")
-            inserted = store.insert_events(con, pd.DataFrame.from_records(rows, columns=store.EVENT_COLUMNS)
-                                           if rows else pd.DataFrame())
-            store.insert_rejects(con, [(rid, reason, raw) for rid, reason, raw, _ in rejects])
-            self._fault("mid_write")
-            con.execute("COMMIT")
+        try:
+            inserted = self._write(rows, rejects)
+        except duckdb.Error as exc:
+            if store._is_lock_error(exc) or not rows:
+                raise
+            # A schema-valid event the store cannot hold would fail this batch forever: find it, dead-letter it.
+            log.warning("usage batch refused by the store (%s); writing its %d events one by one", exc, len(rows))
+            inserted, rows = self._write_singly(rows, rejects, origins), []
+            inserted += self._write(rows, rejects)
+        self._fault("after_write")
         self._fault("after_write")
         if rejects:
             self._send_dead_letters(rejects)
@@ -142,9 +149,34 @@ class UsageLoader:
         self.stats["duplicates"] += consumed - len(rejects) - inserted  # repeats in or across batches
         self.stats["rejected"] += len(rejects)
 
-    def _validate(self, records) -> tuple[list[tuple], list[tuple[str, str, str, bytes | None]]]:
+    def _write(self, rows: list[tuple], rejects: list) -> int:
+        with store.connect(self.store_path) as con:
+            con.execute("BEGIN")
+            inserted = store.insert_events(con, pd.DataFrame.from_records(rows, columns=store.EVENT_COLUMNS)
+                                           if rows else pd.DataFrame())
+            store.insert_rejects(con, [(rid, reason, raw) for rid, reason, raw, _ in rejects])
+            self._fault("mid_write")
+            con.execute("COMMIT")
+        return inserted
+
+    def _write_singly(self, rows: list[tuple], rejects: list, origins: dict) -> int:
+        """Insert rows one per statement; the ones the store refuses join `rejects`. Returns rows inserted."""
+        inserted = 0
+        with store.connect(self.store_path) as con:
+            for row in rows:
+                try:
+                    inserted += store.insert_events(con, pd.DataFrame.from_records([row], columns=store.EVENT_COLUMNS))
+                except duckdb.Error as exc:
+                    if store._is_lock_error(exc):
+                        raise
+                    rid, raw, key = origins[row[0]]
+                    rejects.append((rid, f"the store refused it: {str(exc).splitlines()[0]}", raw, key))
+        return inserted
+
+    def _validate(self, records) -> tuple[list[tuple], list[tuple[str, str, str, bytes | None]], dict]:
         t0 = time.perf_counter()
         rows: dict[str, tuple] = {}
+        origins: dict[str, tuple[str, str, bytes | None]] = {}  # request_id -> (reject id, raw, key)
         rejects = []
         callers = self._caller_set()
         for rec in records:
@@ -157,17 +189,24 @@ class UsageLoader:
             else:
                 if ev.cached_prompt_tokens > ev.prompt_tokens:
                     reason = "cached_prompt_tokens exceeds prompt_tokens"
+                elif not 0 <= ev.ts < MAX_TS:
+                    reason = f"ts: {ev.ts!r} is not a unix time in seconds before year 10000"
+                elif max(ev.prompt_tokens, ev.completion_tokens) > MAX_TOKENS or not (
+                        math.isfinite(ev.ttft_ms) and math.isfinite(ev.duration_ms)):
+                    reason = "token counts over 2^62 or non-finite timings"
                 elif callers is not None and ev.caller not in callers:
                     callers = self._caller_set(missed=True)  # maybe created a moment ago
                     if callers is not None and ev.caller not in callers:
                         reason = f"unknown caller {ev.caller!r}"
+            rid = f"{rec.topic}/{rec.partition}/{rec.offset}/{zlib.crc32(raw):08x}"
             if reason is None:
-                rows.setdefault(ev.request_id, _row(ev.__dict__))
+                if ev.request_id not in rows:
+                    rows[ev.request_id] = _row(ev.__dict__)
+                    origins[ev.request_id] = (rid, raw.decode("utf-8", "replace"), rec.key)
             else:
-                rid = f"{rec.topic}/{rec.partition}/{rec.offset}/{zlib.crc32(raw):08x}"
                 rejects.append((rid, reason, raw.decode("utf-8", "replace"), rec.key))
         self.timings["validate_s"] += time.perf_counter() - t0
-        return list(rows.values()), rejects
+        return list(rows.values()), rejects, origins
 
     def _caller_set(self, missed: bool = False) -> set[str] | None:
         """Known callers, refreshed every CALLER_REFRESH_S (sooner after a miss); None = no check, which is

@@ -1,4 +1,6 @@
 """The router's usage producer: spool first, then Kafka (acks=all, idempotent), then drop from the spool.
+Streams in flight are kept in an mmap ledger (`usage.inflight`) so a router that dies mid-stream still
+bills the tokens it streamed: the next producer on the same spool spools them.
 
 `emit()` is the only call on the request path: it serialises the event and appends it to the local
 spool (`usage.spool`), a few microseconds, never touching the network. A background sender thread reads
@@ -20,6 +22,7 @@ from pathlib import Path
 from kafka import KafkaProducer
 
 from usage.events import UsageEvent
+from usage.inflight import InflightLedger
 from usage.kafka_io import close_producer, ensure_topics, make_producer
 from usage.spool import Spool
 
@@ -44,6 +47,8 @@ class UsageProducer:
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.spool = Spool(Path(spool_dir), replay_window_s=replay_window_s)
+        self.ledger = InflightLedger(Path(spool_dir) / "inflight")
+        self._recover_inflight()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -53,6 +58,7 @@ class UsageProducer:
         self.send_failures = 0  # batches that failed and were retried from the spool
         self.replayed = 0       # acknowledged events sent again after a failure (see REPLAY_WINDOW_S)
         self.last_error: str | None = None
+        self.ack_failures = 0   # acknowledged positions that could not be written (disk full)
 
     # ---- request path ---------------------------------------------------------------------------
     def emit(self, event: UsageEvent) -> None:
@@ -60,6 +66,16 @@ class UsageProducer:
         and safe to call from an asyncio loop (one short local file write, no await points)."""
         self.spool.append(event.key(), event.to_json_bytes())
         self._wake.set()
+
+    def _recover_inflight(self) -> None:
+        """Spool the usage of streams that a router which died mid-stream left in the ledger (see usage.inflight)."""
+        left = self.ledger.leftovers()
+        for slot, event in left:
+            self.spool.append(event.key(), event.to_json_bytes())
+            self.ledger.close(slot)
+        if left:
+            log.warning("spooled the usage of %d streams a previous router left unfinished (%d tokens)",
+                        len(left), sum(e.completion_tokens for _, e in left))
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> UsageProducer:
@@ -93,6 +109,7 @@ class UsageProducer:
             self._thread.join(timeout=15)
             self._thread = None
         self._drop_kafka()
+        self.ledger.flush_and_close()
         self.spool.close()
 
     # ---- sender thread --------------------------------------------------------------------------
@@ -121,7 +138,12 @@ class UsageProducer:
                 continue
             backoff = 0.2
             self.sent += len(batch)
-            self.spool.ack(batch[-1].end, len(batch))
+            try:
+                self.spool.ack(batch[-1].end, len(batch))
+            except OSError as exc:  # e.g. ENOSPC for the ack file: the position is kept in memory, the next ack persists it
+                self.ack_failures += 1
+                log.error("usage spool: could not persist the acknowledged position (%s); a restart now would "
+                          "resend up to %d events, which the loader de-duplicates", exc, len(batch))
 
     def _send(self, batch) -> None:
         if self._kafka is None:

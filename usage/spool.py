@@ -20,6 +20,7 @@ position are deleted. One writer process per spool dir (guarded with an flock).
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import struct
@@ -31,9 +32,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 HEADER = struct.Struct(">II")
 KEYLEN = struct.Struct(">H")
 SEGMENT_BYTES = 16 * 1024 * 1024
+MAX_RECORD = SEGMENT_BYTES // 4
 
 
 @dataclass(frozen=True, order=True)
@@ -69,6 +72,8 @@ class Spool:
             os.close(self._lock_fd)
             raise RuntimeError(f"spool {self.dir} is in use by another process") from None
         self._lock = threading.Lock()
+        self.roll_failures = 0   # segment rolls that failed (ENOSPC...): each failed one append, loudly
+        self.corrupt_skips = 0   # finished segments whose rest was skipped over a bad record header
         self._read_fd: int | None = None
         self._read_seg = -1
         self._active = 1 << 62  # until our own segment exists, every older segment counts as finished
@@ -82,7 +87,7 @@ class Spool:
     def append(self, key: bytes, value: bytes) -> None:
         body = KEYLEN.pack(len(key)) + key + value
         rec = HEADER.pack(len(body), zlib.crc32(body)) + body
-        if len(rec) > SEGMENT_BYTES // 4:
+        if len(rec) > MAX_RECORD:
             raise ValueError(f"usage record of {len(rec)} bytes is too large for the spool")
         with self._lock:
             if self._wpos + len(rec) + HEADER.size > SEGMENT_BYTES:
@@ -107,6 +112,13 @@ class Spool:
         try:
             os.posix_fallocate(fd, 0, SEGMENT_BYTES)  # real blocks now, not on a page fault in append()
             mm = mmap.mmap(fd, SEGMENT_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            # Remove the half-made segment, or every later roll would fail on O_EXCL until a restart.
+            path.unlink(missing_ok=True)
+            self.roll_failures += 1
+            log.error("usage spool %s: cannot start segment %d (%s); this append fails, the next one retries",
+                      self.dir, n, exc)
+            raise
         finally:
             os.close(fd)
         old = getattr(self, "_mm", None)
@@ -140,12 +152,8 @@ class Spool:
         with self._lock:
             self._pending -= count
         self._acked = pos
-        tmp = self.dir / "ack.tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{pos.segment} {pos.offset}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / "ack")
+        # Delete acknowledged segments before writing the ack file: it frees the space that file needs
+        # on a full disk, and a crash in between only finds segments missing that were already delivered.
         removed = False
         keep_from = self._history[0][1].segment if self._history else pos.segment
         for seg in self.segments():
@@ -154,6 +162,12 @@ class Spool:
                 removed = True
         if removed:
             self._fsync_dir()
+        tmp = self.dir / "ack.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{pos.segment} {pos.offset}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.dir / "ack")
 
     def rewind(self) -> int:
         """Make the records acknowledged within the replay window pending again; returns how many.
@@ -206,6 +220,13 @@ class Spool:
                     ended = not truncated  # else our read limit cut it: the rest comes next read
                     break
                 length, crc = HEADER.unpack_from(data, pos)
+                if length > MAX_RECORD:  # no writer makes such a record: a damaged header, not a tear
+                    if finished:
+                        self.corrupt_skips += 1
+                        log.error("usage spool %s: segment %d has a bad record length %d at offset %d; the rest "
+                                  "of that segment is skipped", self.dir, seg, length, offset + pos)
+                    ended = True
+                    break
                 body = data[pos + HEADER.size: pos + HEADER.size + length]
                 if length == 0 or (len(body) == length and zlib.crc32(body) != crc):
                     ended = True  # end of data, or a tear left by a crash

@@ -28,6 +28,9 @@ routable = data.routable_versions(versions, model)
 split = (session.safe("routes (registry)", data.routes) or {}).get(model, {})
 st.markdown(f"**Current split of `{model}`:** " + (", ".join(f"v{v}: {p} %" for v, p in sorted(split.items()))
                                                   or "no route"))
+status = session.safe("rollout readiness (router)", session.client().rollout, model) if split else None
+if status is not None:
+    st.markdown("**Traffic now:** " + "; ".join(status["rollout"]["notes"]))
 
 
 def confirm(key: str, question: str, box, action, done: str) -> None:

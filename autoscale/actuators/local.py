@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autoscale.actuators import PoolSpec, ReplicaCounts
-from autoscale.signals import replica_inflight
+from autoscale.signals import replica_inflight, router_admits
 from autoscale.actuators.replicas import ReplicaSpec, replica_base_port, start_replica, stop_replica
 from common.settings import REPO_ROOT, Settings
 from python_backends.engine.config import engine_overrides
@@ -123,6 +123,10 @@ class LocalActuator:
             with self._lock:
                 alive = sum(r.state in ("starting", "serving", "draining") for r in self.replicas.values())
             room = max(self.max_replicas - alive, 0)
+            if current.total == 0 and room == 0:  # a pool the controller manages is routed: it gets one replica
+                log.warning("pool %s has no replica: starting one over the CPU budget (%d replicas on %d cores) so "
+                            "its routed traffic has somewhere to go", pool.name, self.max_replicas, self.cpu_cores)
+                room = 1
             if desired - current.total > room:
                 log.warning("pool %s wants %d replicas; CPU budget allows %d more (%d cores / %d engine threads = "
                             "%d replicas, %d running)", pool.name, desired, room, self.cpu_cores, engine_threads(),
@@ -196,7 +200,11 @@ class LocalActuator:
         t0 = time.monotonic()
         deadline = t0 + self.drain_timeout_s
         replica.inflight_at_drain = self._inflight(replica)
-        time.sleep(1.5)  # routers poll the registry about every second
+        # until every router has reloaded the registry and stopped admitting there (not a fixed sleep: a
+        # loaded router may take longer, and a stream admitted after the in-flight check would be cut)
+        while time.monotonic() < deadline and any(router_admits(url, replica.replica_id, self.admin_token)
+                                                  for url in self.router_urls):
+            time.sleep(0.25)
         while time.monotonic() < deadline:
             if self._inflight(replica) == 0:
                 break

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import processes
+from common.report_channel import load_report_secret, replica_key
 from common.services import replica_ports, start_triton
 from common.settings import Settings
 from registry import queries
@@ -56,8 +57,11 @@ def start_replica(settings: Settings, spec: ReplicaSpec, extra_env: dict[str, st
                   metrics_url=f"http://127.0.0.1:{metrics}/metrics")
     with session_scope(settings.db_url) as s:
         queries.upsert_replica(s, spec.replica_id, state="starting", pid=0, **common)
+    # reports go to the router's internal listener, signed with a key that speaks for this replica only
+    key = replica_key(load_report_secret(settings), spec.replica_id)
     env = {"FLEET_REPLICA_ID": spec.replica_id, "FLEET_MODEL": spec.model, "FLEET_VERSION": spec.version,
-           "FLEET_REGION": settings.region, "FLEET_ROUTER_URLS": settings.router_http_url, **(extra_env or {})}
+           "FLEET_REGION": settings.region, "FLEET_ROUTER_URLS": settings.router_internal_url,
+           "FLEET_REPORT_KEY": key, **(extra_env or {})}
     info = {"kind": "replica", "replica_id": spec.replica_id, **common}
     started = time.monotonic()
     try:  # recorded at spawn, so `fleet down` stops a replica that is still loading

@@ -10,7 +10,8 @@ matmuls (one bmm pair for all rows, whatever their adapters); large prefill batc
 (a segmented matmul), so a mixed batch never pays for the base rows and never copies per-row B matrices.
 
 Slots are an LRU cache: an adapter loads on first use; a slot whose adapter no running sequence uses may be
-evicted for a new one. Adapters are named by their folder under adapters_dir.
+evicted for a new one. Adapters are named by their folder under adapters_dir; a name is never a path
+(common.names.ADAPTER_NAME_RE), so no request can load a folder outside adapters_dir.
 """
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from common.names import valid_adapter_name
+
 # fused projection -> its PEFT sub-modules, in the order of the fused output rows
 FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
          "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-NAME_RE = re.compile(r"^[A-Za-z0-9_.\-/]+$")
 BATCHED_ROWS_MAX = 64
 
 
@@ -55,9 +57,11 @@ class LoraManager:
         return self._path(name) is not None
 
     def _path(self, name: str) -> Path | None:
-        if not self.adapters_dir or not NAME_RE.match(name) or ".." in name:
+        if not self.adapters_dir or not valid_adapter_name(name):
             return None
         path = self.adapters_dir / name
+        if path.resolve().parent != self.adapters_dir.resolve():  # e.g. a symlink planted in adapters_dir
+            return None
         return path if (path / "adapter_config.json").exists() else None
 
     def acquire(self, name: str) -> int | None:

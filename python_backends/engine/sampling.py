@@ -9,19 +9,31 @@ other rows share one draw. The only host sync is the final `.tolist()` (none in 
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
 from python_backends.engine.sequence import Sequence
 
 
+_M64 = (1 << 64) - 1
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A well-mixed 63-bit seed for sampling step `step` of a request seeded with `seed` (splitmix64)."""
+    z = (seed + (step + 1) * 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
 def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
+    """The generator for a seeded sequence's next token. Seeded per step from (seed, seed_offset + output
+    tokens so far), so the draw for output token k does not depend on the draws this process made before:
+    a stream the router resumes elsewhere (with seed_offset = tokens already generated) continues the same
+    random stream."""
     if seq.generator is None or seq.generator.device != device:
-        gen = torch.Generator(device=device)
-        seed = seq.params.seed if seq.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        gen.manual_seed(seed)
-        seq.generator = gen
+        seq.generator = torch.Generator(device=device)
+    seq.generator.manual_seed(step_seed(seq.params.seed, seq.params.seed_offset + seq.num_output))
     return seq.generator
 
 

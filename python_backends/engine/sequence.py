@@ -42,6 +42,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0               # 0 = off
     seed: int | None = None
+    # Output tokens a previous replica already generated for this request (the router resumes a broken
+    # stream with prompt + those tokens): sampling step k of this sequence uses the random stream of step
+    # seed_offset + k, so a seeded stream resumed elsewhere continues where it stopped.
+    seed_offset: int = 0
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
 

@@ -1,24 +1,24 @@
 """The replica state report (docs/architecture.md, State reports), pushed to every router about every 200 ms.
 
 The engine loop thread builds each report (`build`, on its own thread, so engine state is read consistently)
-and hands it to `StateReporter.publish`; a separate sender thread POSTs the latest one to
-`{router}/internal/replica-state` with a short timeout, fire-and-forget, so a slow or dead router never
+and hands it to `StateReporter.publish`; a separate sender thread POSTs the latest one, signed with this
+replica's key (`FLEET_REPORT_KEY`, see common/report_channel.py), to each router's internal listener
+(`FLEET_ROUTER_URLS`) with a short timeout, fire-and-forget, so a slow or dead router never
 blocks the engine. Prefix hashes go as deltas (added/removed since the last report), with a full snapshot
 on start and every ~10 s so a router that missed deltas resyncs.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-import urllib.request
 from typing import Any
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.replica_report import ReplicaReport
+from common.report_channel import post_report, replica_key
 from common.settings import load_from_env
 
 log = logging.getLogger(__name__)
@@ -26,18 +26,28 @@ log = logging.getLogger(__name__)
 
 class ReplicaSettings(BaseSettings):
     """Who this replica is and where its reports go (FLEET_REPLICA_ID, FLEET_MODEL, FLEET_VERSION,
-    FLEET_REGION, FLEET_ROUTER_URLS), set by whoever starts the replica (autoscale/actuators/replicas.py)."""
+    FLEET_REGION, FLEET_ROUTER_URLS, FLEET_REPORT_KEY), set by whoever starts the replica
+    (autoscale/actuators/replicas.py)."""
     model_config = SettingsConfigDict(env_prefix="FLEET_", extra="ignore", frozen=True)
 
     replica_id: str = "local-0"
     model: str = ""
     version: str = ""
     region: str = "local"
-    router_urls: str = ""  # comma separated router base URLs
+    router_urls: str = ""  # comma separated base URLs of the routers' internal listeners
+    router_admin_urls: str = ""  # the routers' admin API (callers' port), for a preStop drain; default router_urls
+    report_key: str = ""  # this replica's report signing key (common/report_channel.py)
+    report_secret: str = ""  # where no per-replica key is handed out (a Kubernetes Secret): derive it from this
 
     def identity(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, "model": self.model, "version": self.version, "region": self.region,
-                "routers": [u.strip().rstrip("/") for u in self.router_urls.split(",") if u.strip()]}
+                "routers": _urls(self.router_urls), "admin_routers": _urls(self.router_admin_urls or self.router_urls),
+                "report_key": self.report_key or (replica_key(self.report_secret.encode(), self.replica_id)
+                                                  if self.report_secret else "")}
+
+
+def _urls(csv: str) -> list[str]:
+    return [u.strip().rstrip("/") for u in csv.split(",") if u.strip()]
 
 
 def identity_from_env() -> dict[str, Any]:
@@ -47,8 +57,9 @@ def identity_from_env() -> dict[str, Any]:
 
 class StateReporter:
     def __init__(self, identity: dict[str, Any], full_snapshot_s: float = 10.0, timeout_s: float = 0.5):
-        self.identity = {k: v for k, v in identity.items() if k != "routers"}
+        self.identity = {k: v for k, v in identity.items() if k not in ("routers", "admin_routers", "report_key")}
         self.routers: list[str] = identity.get("routers", [])
+        self.report_key: str = identity.get("report_key", "")
         self.full_snapshot_s, self.timeout_s = full_snapshot_s, timeout_s
         self.draining = False
         self._last_full = 0.0
@@ -123,12 +134,9 @@ class StateReporter:
                 if self._stop:
                     return
                 report, self._latest = self._latest, None
-            body = json.dumps(report).encode()
             for router in self.routers:
                 try:
-                    req = urllib.request.Request(f"{router}/internal/replica-state", data=body, method="POST",
-                                                 headers={"content-type": "application/json"})
-                    urllib.request.urlopen(req, timeout=self.timeout_s).close()
+                    post_report(router, report, self.report_key, self.timeout_s)
                     self.sent += 1
                 except Exception as exc:   # soft state: a lost report costs a few routing decisions
                     log.debug("state report to %s failed: %s", router, exc)

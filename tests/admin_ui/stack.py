@@ -18,6 +18,7 @@ import uvicorn
 
 from common.processes import free_port, port_open
 from registry import queries
+from registry.admin_tokens import set_admin_token
 from registry.db import migrate, session_scope
 from registry.schema import WarmBuffer
 from router_service.core import Router
@@ -64,6 +65,8 @@ def seed_registry(db_url: str) -> None:
                          slo_ttft_ms_p95=500, slo_tokens_per_s=40))
         queries.create_caller(s, "search-svc", "search", api_key="k-search")
         queries.create_caller(s, "chat-svc", "assistant", api_key="k-chat")
+        set_admin_token(s, "alice", "operator", OPERATOR_TOKEN)
+        set_admin_token(s, "victor", "viewer", VIEWER_TOKEN)
 
 
 def seed_usage(path: Path, now: float | None = None) -> int:
@@ -98,7 +101,7 @@ def start_stack(data_dir: Path) -> Stack:
                                     "waiting": i, "queue_wait_ms_p95": 20.0 * i, "ttft_ms_p95": 250.0 + 200 * i,
                                     "tokens_per_s": 80.0 - 10 * i, "adapters_loaded": [], "full_snapshot": True})
     port = free_port()
-    app = create_app(router, {OPERATOR_TOKEN: "operator", VIEWER_TOKEN: "viewer"})
+    app = create_app(router)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     server.install_signal_handlers = lambda: None  # not the main thread
     thread = threading.Thread(target=server.run, name="router-http", daemon=True)

@@ -28,7 +28,7 @@ def _audit(db_url: str) -> list:
 def test_budget_is_set_audited_once_and_read_by_viewers(stack):
     resp = _api(stack, "PUT", "/budgets/search", body={"monthly_amount": 120.5})
     assert resp.status_code == 200 and resp.json()["changed"] is True and resp.json()["currency"] == "USD"
-    assert _audit(stack.db_url)[0] == ("operator", "set_budget", "search", None,
+    assert _audit(stack.db_url)[0] == ("alice", "set_budget", "search", None,
                                        {"monthly_amount": 120.5, "currency": "USD"})
     again = _api(stack, "PUT", "/budgets/search", body={"monthly_amount": 120.5})
     assert again.json()["changed"] is False and len([a for a in _audit(stack.db_url) if a[1] == "set_budget"]) == 1

@@ -44,7 +44,7 @@ def test_rollout_to_30_percent_previews_then_changes_the_route_after_confirming(
     assert _errors(at) == ""
     assert _routes(stack.db_url) == {"1": 70, "2": 30}
     newest = _audit(stack.db_url)[0]
-    assert newest[:3] == ("operator", "set_routes", MODEL) and newest[3] == {"routes": {"1": 70, "2": 30}}
+    assert newest[:3] == ("alice", "set_routes", MODEL) and newest[3] == {"routes": {"1": 70, "2": 30}}
     assert any("30 %" in s.value for s in at.success), "the page confirms the change"
     audit = at.dataframe[-1].value
     assert "set_routes" in audit["action"].tolist(), "the audit table shows the change"
@@ -156,4 +156,4 @@ def test_operator_arms_an_automatic_rollback_rule(stack, page):
     rules = RouterClient(f"http://127.0.0.1:{stack.port}", VIEWER_TOKEN).rollback_rules()
     assert [(r["version"], r["max_error_rate"], r["max_ttft_ms_p95"], r["minutes"], r["armed"]) for r in rules] == \
         [("2", 0.1, 1500.0, 2, True)]
-    assert _audit(stack.db_url)[0][:3] == ("operator", "set_rollback_rule", f"{MODEL}/2")
+    assert _audit(stack.db_url)[0][:3] == ("alice", "set_rollback_rule", f"{MODEL}/2")

@@ -7,7 +7,6 @@ admitting, the stream finishes, then the process stops and its registry row is d
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from autoscale.actuators import PoolSpec
 from autoscale.actuators.local import LocalActuator
 from common import processes
+from common.processes import wait_until
 from fleet.seed import DEFAULT_MODEL, DEFAULT_VERSION
 from registry.db import session_scope
 from registry.queries import list_replicas
@@ -28,7 +28,10 @@ def _stream(stack, out: dict) -> None:
     with httpx.stream("POST", f"{stack.http_url}/v1/chat/completions", json=body, timeout=120,
                       headers={"authorization": f"Bearer {stack.api_key}"}) as resp:
         out["status"] = resp.status_code
-        out["lines"] = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        out["lines"] = []
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                out["lines"].append(line)  # a first line: the router admitted it and the replica streams
 
 
 def test_local_actuator_starts_and_drains_real_replicas(tmp_path) -> None:
@@ -45,12 +48,11 @@ def test_local_actuator_starts_and_drains_real_replicas(tmp_path) -> None:
         assert actuator.counts(pool).serving == 1
         actuator.scale(pool, 2)
         assert actuator.counts(pool).starting == 1
-        deadline = time.monotonic() + 240
-        while actuator.counts(pool).serving < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)
+        wait_until(lambda: actuator.counts(pool).serving == 2 or actuator.events[-1]["event"] == "failed", 240,
+                   "the second replica serving")
         assert actuator.counts(pool).serving == 2, actuator.events
         new_id = f"{DEFAULT_MODEL}-v{DEFAULT_VERSION}-r1"
-        stack.wait_reporting([new_id])
+        stack.wait_serving([new_id])
         assert actuator.cold_start_s(pool) is not None
         with session_scope(stack.settings.db_url) as s:
             assert {r.replica_id: r.state for r in list_replicas(s, DEFAULT_MODEL)}[new_id] == "serving"
@@ -59,7 +61,7 @@ def test_local_actuator_starts_and_drains_real_replicas(tmp_path) -> None:
         threads = [threading.Thread(target=_stream, args=(stack, out)) for out in streams]
         for t in threads:
             t.start()
-        time.sleep(1.0)  # streams are open on both replicas
+        wait_until(lambda: all(out.get("lines") for out in streams), 120, "the three streams streaming")
         actuator.scale(pool, 1)  # drains the newest replica (r1)
         for t in threads:
             t.join(150)

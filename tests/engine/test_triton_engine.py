@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from common.hashing import prefix_block_hashes
-from common.processes import free_port, stop_pid
+from common.processes import free_port, stop_pid, wait_until
 from tests.engine.conftest import ADAPTERS_DIR, CHAT
 
 pytestmark = pytest.mark.integration
@@ -151,9 +151,13 @@ def test_cancel_frees_blocks_and_metrics(triton):
 def test_state_reports_reach_the_router(triton):
     prompt = list(range(1000, 1040))
     _stream(triton["grpc"], "engine", _inputs(prompt, 2))
-    time.sleep(0.6)
-    reports = list(_Collector.reports)
-    assert len(reports) >= 3
+    wanted = set(prefix_block_hashes(prompt, 16))
+
+    def reports_with_the_prompt() -> list[dict]:
+        reports = list(_Collector.reports)
+        added = {h for rep in reports for h in rep.get("prefix_hashes_added", []) + rep.get("prefix_hashes", [])}
+        return reports if len(reports) >= 3 and wanted <= added else []
+    reports = wait_until(reports_with_the_prompt, 30, "state reports with the prompt's cached blocks")
     r = reports[-1]
     for key in ("replica_id", "model", "version", "region", "ts", "kv_blocks_total", "kv_blocks_free", "block_size",
                 "running", "waiting", "queue_wait_ms_p95", "ttft_ms_p95", "tokens_per_s", "adapters_loaded",

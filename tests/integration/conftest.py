@@ -3,12 +3,11 @@ and `fleet down` at the end, which must leave no process behind."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
-from common.processes import pid_alive
+from common.processes import StartupFailed, pid_alive, wait_until
 from tests.integration.platform import Platform, platform_env
 
 
@@ -21,10 +20,15 @@ def platform(tmp_path_factory):
     assert "API key" in up.stdout and p.api_key in up.stdout
     pids = [json.loads(f.read_text())["pid"] for f in (data_dir / "run").glob("*.json")]
     assert len(pids) >= 5, "expected broker, loader, replica, router and UI processes"
+    p.wait_serving()
     yield p
     down = p.fleet("down")
     assert down.returncode == 0, down.stderr
-    time.sleep(1)
+    try:  # `fleet down` waits for each leader; a stub may need a moment to be reaped
+        wait_until(lambda: not [pid for pid in pids if pid_alive(pid)] and not _group_members(set(pids)), 15,
+                   "platform processes gone")
+    except StartupFailed:
+        pass
     assert not [pid for pid in pids if pid_alive(pid)], "fleet down left processes behind"
     assert not _group_members(set(pids)), "fleet down left child processes (e.g. backend stubs) behind"
 

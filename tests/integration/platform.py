@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import queue
 import random
+import socket
 import time
 import subprocess
 import sys
@@ -13,14 +14,35 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from common.processes import port_open
+from common.processes import port_open, wait_until
 from common.settings import REPO_ROOT
 
 
+def _ephemeral_low() -> int:
+    """Lowest port the kernel hands out to outgoing connections (and to bind-to-0)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _free_block(size: int) -> int:
+    """A block of ports below the ephemeral range: a replica started a minute later (autoscaler, actuator)
+    must not find one of its ports taken by some process's outgoing connection, which the kernel gives
+    ports from the ephemeral range."""
+    top = min(40000, _ephemeral_low()) - size
     for _ in range(200):
-        base = random.randrange(20000, 40000, 10)
-        if not any(port_open("127.0.0.1", base + i) for i in range(size)):
+        base = random.randrange(15000, top, 10)
+        if all(_bindable(base + i) and not port_open("127.0.0.1", base + i) for i in range(size)):
             return base
     raise RuntimeError("no free port block")
 
@@ -51,6 +73,9 @@ class Platform:
         """One greedy streamed request through the router; returns every InferResult (raises on error)."""
         headers = {"authorization": f"Bearer {key if key is not None else self.api_key}"}
         return stream_completion(self.grpc_url, text, model, max_tokens, headers, **params)
+
+    def wait_serving(self, timeout_s: float = 60) -> dict:
+        return wait_replicas_serving(self.http_url, self.admin_token, None, timeout_s)
 
     def fleet(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "fleet.cli", *args], env=self.env, cwd=REPO_ROOT,
@@ -83,11 +108,31 @@ def stream_completion(grpc_url: str, text: str, model: str, max_tokens: int = 24
         client.close()
 
 
+def router_fleet(http_url: str, admin_token: str) -> dict:
+    """The router's own view (`GET /admin/fleet`): replicas as in its registry snapshot, with their reports."""
+    import httpx
+    return httpx.get(f"{http_url}/admin/fleet", headers={"authorization": f"Bearer {admin_token}"}, timeout=5).json()
+
+
+def wait_replicas_serving(http_url: str, admin_token: str, replica_ids: list[str] | None = None,
+                          timeout_s: float = 60) -> dict:
+    """Until the router would route to the replicas: `serving` in its registry snapshot (not cordoned) and
+    reporting state; `None` = at least one replica. Tests wait on this, never on a sleep or on the first
+    state report (a replica reports before the router's registry reload makes it serving)."""
+    def ready() -> dict | None:
+        fleet = router_fleet(http_url, admin_token)
+        seen = {r["replica_id"]: r for r in fleet["replicas"] if r["state"] == "serving" and r.get("reporting")}
+        wanted = replica_ids if replica_ids is not None else list(seen)[:1] or ["any replica"]
+        return fleet if all(rid in seen for rid in wanted) else None
+    return wait_until(ready, timeout_s, f"replicas {replica_ids or 'any'} serving in the router's snapshot")
+
+
 def platform_env(data_dir: Path) -> dict[str, str]:
     base = _free_block(40)
     env = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
     env.update(FLEET_DATA_DIR=str(data_dir), FLEET_ROUTER_HTTP_PORT=str(base), FLEET_ROUTER_GRPC_PORT=str(base + 1),
                FLEET_ADMIN_UI_PORT=str(base + 2), FLEET_KAFKA_PORT=str(base + 3),
+               FLEET_ROUTER_INTERNAL_PORT=str(base + 4),
                FLEET_REPLICA_BASE_PORT=str(base + 10),
                FLEET_METRICS_SCRAPE_S="2",  # the Fleet history fills within seconds
                FLEET_AUTOSCALER="off")  # tests that kill or count replicas must not race a live autoscaler

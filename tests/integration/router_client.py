@@ -1,6 +1,7 @@
 """Async KServe streaming client helpers for the router tests and bench/router (stock tritonclient aio)."""
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -10,6 +11,8 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.grpc import InferInput, InferRequestedOutput
 from tritonclient.utils import InferenceServerException
 
+IN_BAND_ERROR = re.compile(r"request [^:]*: ([A-Z_]+): ")
+RETRY_AFTER = re.compile(r"\(retry after (\d+) ms\)$")
 CHATML = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -24,9 +27,11 @@ class StreamResult:
     error: str | None = None          # gRPC status name, e.g. RESOURCE_EXHAUSTED
     error_message: str = ""
     retry_after_ms: int | None = None  # from the trailing metadata of a refused call
+    response_id: str = ""              # the id the router answered with (its usage record's id)
 
 
-def build_inputs(prompt: str | list[int], max_tokens: int, temperature: float = 0.0) -> list[InferInput]:
+def build_inputs(prompt: str | list[int], max_tokens: int, temperature: float = 0.0,
+                 seed: int | None = None) -> list[InferInput]:
     if isinstance(prompt, str):
         first = InferInput("text_input", [1], "BYTES")
         first.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
@@ -37,26 +42,37 @@ def build_inputs(prompt: str | list[int], max_tokens: int, temperature: float = 
     mt.set_data_from_numpy(np.array([max_tokens], dtype=np.int32))
     temp = InferInput("temperature", [1], "FP32")
     temp.set_data_from_numpy(np.array([temperature], dtype=np.float32))
-    return [first, mt, temp]
+    inputs = [first, mt, temp]
+    if seed is not None:
+        rs = InferInput("random_seed", [1], "UINT64")
+        rs.set_data_from_numpy(np.array([seed], dtype=np.uint64))
+        inputs.append(rs)
+    return inputs
 
 
 async def stream_once(client: grpcaio.InferenceServerClient, model: str, prompt: str | list[int], max_tokens: int,
-                      api_key: str, request_id: str = "", on_token=None, **params) -> StreamResult:
+                      api_key: str, request_id: str = "", on_token=None, temperature: float = 0.0,
+                      seed: int | None = None, **params) -> StreamResult:
     """One streamed request; `on_token(result_so_far)` is awaited after each delta."""
     out = StreamResult()
     started = time.monotonic()
 
     async def requests():
-        yield {"model_name": model, "inputs": build_inputs(prompt, max_tokens),
+        yield {"model_name": model, "inputs": build_inputs(prompt, max_tokens, temperature, seed),
                "outputs": [InferRequestedOutput(n) for n in ("text_output", "output_ids", "finish_reason", "usage")],
                "request_id": request_id, "parameters": params or None}
 
     stream = client.stream_infer(requests(), headers={"authorization": f"Bearer {api_key}"})
     try:
         async for result, error in stream:
-            if error is not None:
-                out.error, out.error_message = "ERROR", str(error)
+            if error is not None:  # in-band: "request <id>: <STATUS>: <message>[ (retry after N ms)]"
+                out.error_message = str(error)
+                found = IN_BAND_ERROR.search(out.error_message)
+                out.error = found.group(1) if found else "ERROR"
+                retry = RETRY_AFTER.search(out.error_message)
+                out.retry_after_ms = int(retry.group(1)) if retry else None
                 break
+            out.response_id = out.response_id or result.get_response().id
             ids = result.as_numpy("output_ids").reshape(-1).tolist()
             text = result.as_numpy("text_output").reshape(-1)[0].decode()
             if (ids or text) and out.ttft_s is None:

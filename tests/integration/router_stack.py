@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from fleet.seed import DEFAULT_MODEL, DEFAULT_VERSION, seed
 from common.vendor import triton_home
 from common.settings import REPO_ROOT, Settings, load_settings
 from registry.db import migrate
-from tests.integration.platform import platform_env
+from tests.integration.platform import platform_env, router_fleet, wait_replicas_serving
 
 
 @contextmanager
@@ -81,12 +80,12 @@ class RouterStack:
         processes.wait_until(lambda: _ok(f"{self.http_url}/health"), 60, "router", self.router, log)
 
     def restart_router(self, extra_env: dict[str, str], args: tuple[str, ...] = ("--no-usage",)) -> None:
-        """Restart the router with more env (e.g. another FLEET_ROUTER_POLICY); waits for replica reports."""
+        """Restart the router with more env (e.g. another FLEET_ROUTER_POLICY); waits until replicas serve."""
         if self.router is not None:
             processes.stop_pid(self.router.pid)
         self.env.update(extra_env)
         self.start_router(args)
-        self.wait_reporting(self.replica_ids)
+        self.wait_serving(self.replica_ids)
 
     def add_replicas(self, indexes, engine_env: dict[str, str] | None = None) -> None:
         errors: list[BaseException] = []
@@ -108,21 +107,14 @@ class RouterStack:
             raise errors[0]
         started = [ReplicaSpec(DEFAULT_MODEL, DEFAULT_VERSION, i).replica_id for i in all_indexes]
         self.replica_ids = sorted({*self.replica_ids, *started})
-        self.wait_reporting(started)
+        self.wait_serving(started)
 
     def fleet(self) -> dict:
-        return httpx.get(f"{self.http_url}/admin/fleet", headers={"authorization": f"Bearer {self.admin_token}"},
-                         timeout=5).json()
+        return router_fleet(self.http_url, self.admin_token)
 
-    def wait_reporting(self, replica_ids, timeout_s: float = 30) -> None:
-        """Until the router has the replicas in its registry snapshot and fresh state reports from them."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            seen = {r["replica_id"]: r for r in self.fleet()["replicas"]}
-            if all(rid in seen and seen[rid].get("reporting") for rid in replica_ids):
-                return
-            time.sleep(0.2)
-        raise TimeoutError(f"replicas {replica_ids} not reporting to the router: {self.fleet()}")
+    def wait_serving(self, replica_ids, timeout_s: float = 60) -> dict:
+        """Until the router has the replicas `serving` in its registry snapshot and fresh state reports."""
+        return wait_replicas_serving(self.http_url, self.admin_token, list(replica_ids), timeout_s)
 
     def replica_pid(self, replica_id: str) -> int:
         path = self.settings.run_dir / f"replica-{replica_id}.json"

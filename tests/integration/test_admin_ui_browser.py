@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from common.processes import wait_until
 from common.settings import REPO_ROOT
 from registry import queries
 from registry.db import session_scope
@@ -64,7 +65,8 @@ def test_every_admin_page_renders_with_real_data(platform):
     p = platform
     rows_before = _usage_rows(p)
     search_key = _second_team_key(p)
-    time.sleep(1.5)
+    wait_until(lambda: httpx.get(f"{p.http_url}/v1/models", headers={"authorization": f"Bearer {search_key}"},
+                                 timeout=5).status_code == 200, 30, "the router knows the new caller's key")
     sent = 0
     for i, prompt in enumerate(PROMPTS):
         for key in (p.api_key, search_key):
@@ -86,10 +88,7 @@ def test_every_admin_page_renders_with_real_data(platform):
     resp = httpx.put(f"{p.http_url}/admin/warm-buffers/{MODEL}/1", headers=admin, timeout=30, json={
         "min_idle_replicas": 1, "min_replicas": 1, "max_replicas": 2, "slo_ttft_ms_p95": 3000, "slo_tokens_per_s": 10})
     assert resp.status_code == 200, resp.text
-    deadline = time.monotonic() + 90
-    while _usage_rows(p) < rows_before + sent and time.monotonic() < deadline:
-        time.sleep(1)
-    assert _usage_rows(p) >= rows_before + sent, "usage events did not reach the store"
+    wait_until(lambda: _usage_rows(p) >= rows_before + sent, 120, "every usage event in the store", interval_s=1)
     time.sleep(2 * float(p.env["FLEET_METRICS_SCRAPE_S"]) + 1)  # at least one scrape after the traffic
 
     today = dt.datetime.now(dt.timezone.utc).date()

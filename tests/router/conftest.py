@@ -2,6 +2,7 @@
 version 1, and optionally replicas (no replica processes: admission and choice only reserve slots)."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 import pytest
@@ -14,14 +15,14 @@ MODEL = "m"
 
 
 def seed_registry(db_url: str, versions: Iterable[str] = ("1",), replicas: Iterable[tuple[str, str]] = (),
-                  extra: Callable[[Session], None] | None = None) -> None:
+                  extra: Callable[[Session], None] | None = None, weights_uri: str = "") -> None:
     """Migrate, add `m`'s versions (serving, context 2048) routed 100 % to the first, add replicas
     (id, region) of version 1, then run `extra(session)` for what a test needs beyond that."""
     migrate(db_url)
     versions = list(versions)
     with session_scope(db_url) as s:
         for v in versions:
-            queries.upsert_model_version(s, MODEL, v, status="serving", max_context=2048)
+            queries.upsert_model_version(s, MODEL, v, status="serving", max_context=2048, weights_uri=weights_uri)
         queries.set_routes(s, MODEL, {versions[0]: 100}, actor="seed")
         for replica_id, region in replicas:
             queries.upsert_replica(s, replica_id, model=MODEL, version=versions[0], region=region,
@@ -32,6 +33,7 @@ def seed_registry(db_url: str, versions: Iterable[str] = ("1",), replicas: Itera
 
 
 @pytest.fixture
-def seeded() -> Callable[..., None]:
-    """The `seed_registry` function, for tests that seed their own database URL."""
-    return seed_registry
+def seeded(smollm2_dir) -> Callable[..., None]:
+    """`seed_registry` with the real SmolLM2 tokenizer as the model's weights (the router checks prompts and
+    token ids against its vocabulary), for tests that seed their own database URL."""
+    return functools.partial(seed_registry, weights_uri=str(smollm2_dir))

@@ -4,6 +4,7 @@ from fastapi.testclient import TestClient
 
 from registry import queries
 from registry.db import session_scope
+from registry.admin_tokens import set_admin_token
 from router_service.core import Router
 from router_service.http_frontend import create_app
 from router_service.registry_cache import RegistryCache
@@ -13,9 +14,10 @@ OPERATOR, VIEWER = "op-token", "view-token"
 
 @pytest.fixture
 def client(db_url, seeded):
-    seeded(db_url, versions=("1", "2"), replicas=[("m-r0", "local")])
+    seeded(db_url, versions=("1", "2"), replicas=[("m-r0", "local")], extra=lambda s: (
+        set_admin_token(s, "alice", "operator", OPERATOR), set_admin_token(s, "victor", "viewer", VIEWER)))
     router = Router(RegistryCache(db_url))
-    return TestClient(create_app(router, {OPERATOR: "operator", VIEWER: "viewer"})), db_url
+    return TestClient(create_app(router)), db_url
 
 
 def _auth(token):

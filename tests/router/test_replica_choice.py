@@ -100,17 +100,6 @@ def test_only_batch_overflows_to_another_region():
     assert [[r.replica_id for r in g] for g in candidate_tiers(replicas, "eu", "batch")] == [["r0", "r1"], ["us0"]]
 
 
-def test_daily_token_quota_reserves_then_settles():
-    gw = Gateway(rate_per_s=1000, burst=1000)
-    gw.reserve("c", 1000, 600)
-    with pytest.raises(RouterError, match="used 600 of 1000") as info:
-        gw.reserve("c", 1000, 600)
-    assert info.value.code == "resource_exhausted" and info.value.retry_after_ms > 0
-    gw.settle("c", 600, 100)  # it really used 100 tokens
-    gw.reserve("c", 1000, 600)
-    assert gw.usage_today("c") == {"day": gw.day, "used": 100, "reserved": 600}
-
-
 def test_rate_limit_is_a_token_bucket_per_caller():
     gw = Gateway(rate_per_s=10, burst=3)
     for _ in range(3):

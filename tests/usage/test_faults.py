@@ -13,6 +13,7 @@ def assert_exactly_once(res: dict) -> None:
     assert res["missing"] == 0, res
     assert res["duplicates"] == 0, res
     assert res["unexpected"] == 0, res
+    assert res["overbilled_tokens"] == 0, res
     assert res["emitted"] > 0
 
 

@@ -100,6 +100,7 @@ class TritonPythonModel:
         lora = _text(_scalar(request, "lora_name", b""))
         rp = json.loads(request.parameters() or "{}")
         params.ignore_eos = bool(rp.get("ignore_eos", False))   # benchmarks: same output length everywhere
+        params.seed_offset = int(rp.get("seed_offset", 0) or 0)  # a resumed stream: tokens generated before
         # `priority` is reserved by tritonclient (it is Triton's own scheduling field), so the router sends
         # `llm_priority`; accept both names.
         priority = int(rp.get("llm_priority", rp.get("priority", 1)))

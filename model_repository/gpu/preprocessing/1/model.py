@@ -15,6 +15,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from common.hashing import lora_task_id
+from common.names import valid_adapter_name  # a name, never a path: no folder outside adapters_dir
 from common.text import load_tokenizer
 
 DEFAULT_MAX_TOKENS = 256
@@ -94,7 +95,7 @@ class TritonPythonModel:
         adapter = raw.decode() if isinstance(raw, bytes) else str(raw)
         if adapter:
             folder = self.adapters / adapter
-            if not (folder / "model.lora_weights.npy").exists():
+            if not valid_adapter_name(adapter) or not (folder / "model.lora_weights.npy").exists():
                 raise ValueError(f"unknown adapter {adapter!r}")
             tensors.append(pb_utils.Tensor("lora_task_id", one(lora_task_id(adapter), np.uint64)))
             if json.loads(request.parameters() or "{}").get("lora_load"):

@@ -1,0 +1,84 @@
+"""The authenticated channel replicas use to push state reports to routers' internal listeners.
+
+Each replica signs its reports with its own key, derived from the fleet's report secret and its replica id
+(`replica_key`): a replica can only speak for itself, and a leaked replica key does not let anyone forge
+other replicas' reports. A signature covers a timestamp and the exact body bytes, so a captured report
+cannot be altered and is refused once older than `MAX_SKEW_S`.
+
+Senders (the engine's `StateReporter`, a GPU state reporter) call `post_report`; the router calls
+`verify_report`. The secret is FLEET_REPORT_SECRET or `<data dir>/report-secret` (created on first use, mode
+0600); a replica gets only its derived key in `FLEET_REPORT_KEY`.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import time
+import urllib.request
+from typing import Any
+
+from common.settings import Settings
+
+REPORT_PATH = "/internal/replica-state"
+SIGNATURE_HEADER = "x-fleet-report-signature"
+REPLICA_HEADER = "x-fleet-replica-id"
+MAX_SKEW_S = 30.0
+
+
+class ReportAuthError(ValueError):
+    """A report whose signature is missing, malformed, stale or wrong."""
+
+
+def load_report_secret(settings: Settings) -> bytes:
+    """The fleet's report secret: FLEET_REPORT_SECRET, else the data dir's file (created if missing)."""
+    if settings.report_secret:
+        return settings.report_secret.encode()
+    path = settings.report_secret_file
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process created it first
+            return path.read_text().strip().encode()
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return path.read_text().strip().encode()
+
+
+def replica_key(secret: bytes, replica_id: str) -> str:
+    """The key one replica signs with (hex); given to that replica alone."""
+    return hmac.new(secret, b"replica-report:" + replica_id.encode(), hashlib.sha256).hexdigest()
+
+
+def sign(key: str, body: bytes, ts: int | None = None) -> str:
+    ts = int(time.time()) if ts is None else ts
+    mac = hmac.new(key.encode(), str(ts).encode() + b"." + body, hashlib.sha256).hexdigest()
+    return f"t={ts},v1={mac}"
+
+
+def verify_report(secret: bytes, replica_id: str, body: bytes, header: str | None) -> None:
+    """Raise ReportAuthError unless `header` is a fresh signature of `body` by `replica_id`'s key."""
+    if not header:
+        raise ReportAuthError(f"{SIGNATURE_HEADER}: missing; reports must be signed with the replica's key")
+    try:
+        parts = dict(p.split("=", 1) for p in header.split(","))
+        ts, mac = int(parts["t"]), parts["v1"]
+    except (KeyError, ValueError) as exc:
+        raise ReportAuthError(f"{SIGNATURE_HEADER}: malformed; expected 't=<unix seconds>,v1=<hex hmac>'") from exc
+    if abs(time.time() - ts) > MAX_SKEW_S:
+        raise ReportAuthError(f"{SIGNATURE_HEADER}: timestamp {ts} is more than {MAX_SKEW_S:g} s from now")
+    expected = sign(replica_key(secret, replica_id), body, ts).split("v1=", 1)[1]
+    if not hmac.compare_digest(expected, mac):
+        raise ReportAuthError(f"{SIGNATURE_HEADER}: signature does not match replica {replica_id!r}")
+
+
+def post_report(router_url: str, report: dict[str, Any], key: str, timeout_s: float = 0.5) -> None:
+    """Sign and POST one report to a router's internal listener (raises on any failure)."""
+    body = json.dumps(report).encode()
+    headers = {"content-type": "application/json", SIGNATURE_HEADER: sign(key, body),
+               REPLICA_HEADER: str(report.get("replica_id", ""))}
+    req = urllib.request.Request(router_url.rstrip("/") + REPORT_PATH, data=body, method="POST", headers=headers)
+    urllib.request.urlopen(req, timeout=timeout_s).close()

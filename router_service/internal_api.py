@@ -1,0 +1,68 @@
+"""The router's internal listener: replica state reports, never on the callers' port.
+
+Who may call it: registered replicas only. It listens on its own address (`--internal-host`, loopback by
+default; a pod-network address plus a NetworkPolicy in Kubernetes) and every report must carry a fresh
+signature by the reporting replica's own key (common/report_channel.py). A report is refused (401/403/404)
+when unsigned, signed by another key, stale, or from a replica the registry does not know; it is refused
+(400) when it does not fit the `ReplicaReport` schema. Reports feed routing hints only: they can never lift
+a cordon (see `Router.serving_replicas`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from common.report_channel import REPLICA_HEADER, REPORT_PATH, SIGNATURE_HEADER, ReportAuthError, verify_report
+from router_service import metrics
+from router_service.core import Router
+from router_service.errors import RouterError
+from router_service.http_body import read_body
+from common.replica_report import ReplicaReport
+
+log = logging.getLogger(__name__)
+MAX_REPORT_BYTES = 32_000_000  # a full snapshot of 1M prefix hashes
+
+
+def _describe(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'report'}: {e['msg']}" for e in exc.errors()[:5])
+
+
+def create_internal_app(router: Router, secret: bytes) -> FastAPI:
+    app = FastAPI(title="LLM fleet router (internal)", version="0.1.0", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+
+    @app.exception_handler(RouterError)
+    async def _router_error(_req: Request, exc: RouterError):
+        metrics.REPORTS_REFUSED.labels(exc.code).inc()
+        return JSONResponse({"error": {"message": exc.message, "code": exc.code}}, status_code=exc.http_status)
+
+    @app.post(REPORT_PATH)
+    async def replica_state(request: Request):
+        replica_id = request.headers.get(REPLICA_HEADER, "")
+        if not replica_id:
+            raise RouterError("unauthenticated", f"{REPLICA_HEADER}: missing; say which replica reports")
+        if replica_id not in {r.replica_id for r in router.registry.snapshot.replicas}:
+            raise RouterError("not_found", f"{REPLICA_HEADER}: replica {replica_id[:128]!r} is not registered")
+        body = await read_body(request, MAX_REPORT_BYTES)
+        try:
+            verify_report(secret, replica_id, body, request.headers.get(SIGNATURE_HEADER))
+        except ReportAuthError as exc:
+            log.warning("refused a state report for %s: %s", replica_id, exc)
+            raise RouterError("unauthenticated", str(exc)) from exc
+        try:
+            report = ReplicaReport.model_validate(json.loads(body))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RouterError("invalid_argument", f"report: not valid JSON ({exc})") from exc
+        except ValidationError as exc:
+            raise RouterError("invalid_argument", _describe(exc)) from exc
+        if report.replica_id != replica_id:
+            raise RouterError("permission_denied", f"replica_id: {report.replica_id!r} does not match the signing "
+                                                   f"replica {replica_id!r}")
+        router.replica_state.apply(report)
+        return {"ok": True}
+
+    return app

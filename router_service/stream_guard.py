@@ -1,0 +1,135 @@
+"""What keeps one upstream stream honest: first-token and inter-token timeouts (a hung replica never
+hangs its caller), the caller's deadline while waiting on a replica, and exact text across a resume.
+
+Timeouts per tier are router settings (router_service/settings.py), as `interactive=15,standard=30,batch=60`
+or one number for every tier:
+- FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S: from the upstream call to its first token (prefill included);
+- FLEET_ROUTER_INTER_TOKEN_TIMEOUT_S: between two responses of a stream.
+A replica that misses one is treated as dead for this request: the router cordons it and resumes the
+stream elsewhere (see `Router.stream`).
+
+Slow readers: a gRPC stream's responses wait in a queue of at most FLEET_ROUTER_STREAM_QUEUE (256)
+responses; when it is full the request's upstream read pauses (backpressure down to the replica), and a
+request whose responses wait longer than FLEET_ROUTER_SLOW_READER_TIMEOUT_S (30 s) for the caller to read
+is stopped with an in-band RESOURCE_EXHAUSTED error, freeing its replica slot. HTTP streams get the same
+backpressure from the server's transport flow control (the SSE generator pauses while the socket is full).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from common.text import IncrementalDetokenizer
+from router_service.request import TIERS, Finished, TokenDelta
+from router_service.upstream import ReplicaFailed
+
+DEFAULT_FIRST_TOKEN_S = {"interactive": 15.0, "standard": 30.0, "batch": 60.0}
+DEFAULT_INTER_TOKEN_S = {"interactive": 10.0, "standard": 15.0, "batch": 30.0}
+
+
+DEFAULT_STREAM_QUEUE = 256
+DEFAULT_SLOW_READER_S = 30.0
+
+
+def per_tier(raw: str, default: dict[str, float]) -> dict[str, float]:
+    """'interactive=S,standard=S,batch=S' (tiers left out keep their default) or one number for all tiers."""
+    raw, out = raw.strip(), dict(default)
+    if not raw:
+        return out
+    try:
+        if "=" not in raw:
+            out = {tier: float(raw) for tier in TIERS}
+        else:
+            for part in raw.split(","):
+                tier, value = (x.strip() for x in part.split("=", 1))
+                if tier not in TIERS:
+                    raise ValueError(f"unknown tier {tier!r}")
+                out[tier] = float(value)
+    except ValueError as exc:
+        raise ValueError(f"{raw!r}: expected seconds or 'interactive=S,standard=S,batch=S' ({exc})") from None
+    if any(not v > 0 for v in out.values()):
+        raise ValueError(f"{raw!r}: timeouts must be positive")
+    return out
+
+
+@dataclass(frozen=True)
+class StreamTimeouts:
+    first_token_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_FIRST_TOKEN_S))
+    inter_token_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_INTER_TOKEN_S))
+    queue_items: int = DEFAULT_STREAM_QUEUE       # gRPC stream responses waiting for a slow reader
+    slow_reader_s: float = DEFAULT_SLOW_READER_S  # how long a response may wait for room in that queue
+
+
+class DeadlineReached(Exception):
+    """The caller's deadline passed while the router waited on the replica."""
+
+
+class ReplicaHung(ReplicaFailed):
+    """The replica sent nothing within the first-token or inter-token timeout: treated as dead."""
+
+
+async def guarded(items: AsyncIterator, first_s: float, inter_s: float,
+                  deadline_ms: int | None) -> AsyncIterator[TokenDelta | Finished]:
+    """Re-yield `items`, waiting at most first_s for the first token and inter_s between responses, and
+    never past the caller's deadline. Time the consumer spends between items is not counted."""
+    got_token = False
+    try:
+        while True:
+            limit = inter_s if got_token else first_s
+            left = None if deadline_ms is None else deadline_ms / 1000 - time.time()
+            wait = limit if left is None else max(0.0, min(limit, left))
+            try:
+                async with asyncio.timeout(wait):
+                    item = await anext(items)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                if left is not None and left <= limit:
+                    raise DeadlineReached() from None
+                what = "inter-token" if got_token else "first-token"
+                raise ReplicaHung(f"no response within the {what} timeout of {limit:g} s") from None
+            got_token = got_token or isinstance(item, TokenDelta)
+            yield item
+    finally:
+        await items.aclose()
+
+
+class ResumeText:
+    """Exact text across resumes. A replica holds back the bytes of an unfinished multi-byte character
+    until its next token; if it dies then, a new replica (whose detokenizer starts at the resume point)
+    would turn the rest of that character into U+FFFD. So after the first resume the router decodes the
+    text itself from *all* the ids of the stream and ignores the replicas' text."""
+
+    def __init__(self) -> None:
+        self.sent_chars = 0
+        self.detok: IncrementalDetokenizer | None = None
+        self.skip = 0       # chars the router's decoder has yet to produce that the caller already has
+        self.carry = ""     # text the router's decoder produced that the caller does not have yet
+
+    def resume(self, tokenizer, emitted: list[int]) -> None:
+        if self.detok is not None:
+            return  # already decoding ourselves since an earlier resume: the state carries on
+        self.detok = IncrementalDetokenizer(getattr(tokenizer, "backend_tokenizer", tokenizer))
+        produced = self.detok.add(list(emitted))
+        self.skip = max(0, self.sent_chars - len(produced))
+        self.carry = produced[self.sent_chars:]
+
+    def _take(self, text: str) -> str:
+        if self.skip:
+            drop = min(self.skip, len(text))
+            text, self.skip = text[drop:], self.skip - drop
+        text, self.carry = self.carry + text, ""
+        self.sent_chars += len(text)
+        return text
+
+    def delta(self, item: TokenDelta) -> TokenDelta:
+        if self.detok is None:
+            self.sent_chars += len(item.text)
+            return item
+        return TokenDelta(self._take(self.detok.add(item.token_ids)), item.token_ids)
+
+    def tail(self) -> str:
+        """At the end of the stream: whatever the router's decoder still holds back."""
+        return "" if self.detok is None else self._take(self.detok.flush())
