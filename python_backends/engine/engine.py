@@ -261,7 +261,7 @@ class LLMEngine:
 
     def _launch_sampling(self, logits: torch.Tensor, seqs: list[Sequence], prefill_tokens: int,
                          lookahead: bool) -> _Inflight:
-        ids = sample_on_device(logits, seqs)
+        ids = sample_on_device(logits, seqs, ahead=int(lookahead))   # lookahead: prev's token not appended
         host, event = ids, None
         if ids.device.type == "cuda":
             host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)

@@ -26,14 +26,14 @@ def step_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
-def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
+def _generator(seq: Sequence, device: torch.device, ahead: int = 0) -> torch.Generator:
     """The generator for a seeded sequence's next token. Seeded per step from (seed, seed_offset + output
     tokens so far), so the draw for output token k does not depend on the draws this process made before:
     a stream the router resumes elsewhere (with seed_offset = tokens already generated) continues the same
     random stream."""
     if seq.generator is None or seq.generator.device != device:
         seq.generator = torch.Generator(device=device)
-    seq.generator.manual_seed(step_seed(seq.params.seed, seq.params.seed_offset + seq.num_output))
+    seq.generator.manual_seed(step_seed(seq.params.seed, seq.params.seed_offset + seq.num_output + ahead))
     return seq.generator
 
 
@@ -42,8 +42,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     return sample_on_device(logits, seqs).tolist()
 
 
-def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """As `sample`, but the ids stay on the logits' device (int64 [len(seqs)]); no host sync."""
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> torch.Tensor:
+    """As `sample`, but the ids stay on the logits' device (int64 [len(seqs)]); no host sync. ahead: output
+    tokens each sequence has sampled that are not in its token list yet (async decode's step in flight)."""
     greedy_ids = logits.argmax(dim=-1)
     random_rows = [r for r, s in enumerate(seqs) if not s.params.greedy]
     if not random_rows:
@@ -67,7 +68,7 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     q = torch.empty_like(probs).exponential_()
     for i, s in enumerate(sub):
         if s.params.seed is not None:
-            q[i].exponential_(generator=_generator(s, dev))
+            q[i].exponential_(generator=_generator(s, dev, ahead))
     choice = (probs / q).argmax(dim=-1, keepdim=True)
     picked = order.gather(1, choice).squeeze(1)
     return greedy_ids.index_copy(0, rows, picked)
