@@ -66,14 +66,15 @@ def build_hf(name: str, dtype: torch.dtype, device: torch.device, seed: int):
 
 
 def engine_for(model, tmp: Path, device: torch.device, dtype: str, max_seqs: int, max_context: int,
-               step_tokens: int, kv_blocks: int, graphs: bool) -> LLMEngine:
+               step_tokens: int, kv_blocks: int, graphs: bool, async_decode: int = 0) -> LLMEngine:
     """The engine on the HF model's own tensors (config.json written from the HF config)."""
     d = model.config.to_dict()
     (tmp / "config.json").write_text(json.dumps(d, default=str))
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     cfg = EngineConfig(weights_dir=str(tmp), dtype=dtype, device=str(device), max_context=max_context,
                        num_kv_blocks=kv_blocks, kv_memory_fraction=0.3, max_num_seqs=max_seqs,
-                       max_num_batched_tokens=step_tokens, output_estimate=64, cuda_graphs=int(graphs), threads=1)
+                       max_num_batched_tokens=step_tokens, output_estimate=64, cuda_graphs=int(graphs), threads=1,
+                       async_decode=async_decode)
     return LLMEngine(cfg, state_dict=sd)
 
 
@@ -99,6 +100,7 @@ def run_engine(eng: LLMEngine, prompts: list[list[int]], gen_lens: list[int], de
     host: dict[str, float] = {}
     _timed(eng.scheduler, "schedule", host)
     _timed(eng.runner, "prepare", host)
+    lookahead0 = eng.lookahead_steps
     sync(device)
     t0 = time.perf_counter()
     seqs = [eng.add_request(p, SamplingParams(max_tokens=g, ignore_eos=True)) for p, g in zip(prompts, gen_lens)]
@@ -125,6 +127,7 @@ def run_engine(eng: LLMEngine, prompts: list[list[int]], gen_lens: list[int], de
             "steps": steps, "all_first_token_s": round(first_all or wall, 3),
             "decode_step_ms_median": round(statistics.median(full_decode_ms), 3) if full_decode_ms else None,
             "decode_steps_at_full_batch": len(full_decode_ms), "preemptions": eng.scheduler.num_preemptions,
+            "lookahead_steps": eng.lookahead_steps - lookahead0,
             "host_ms_per_step": {k: round(1000 * v / steps, 3) for k, v in host.items()}}
 
 
@@ -202,7 +205,8 @@ def bench_model(name: str, args, device: torch.device, tmp: Path, emit) -> None:
     max_context = args.prompt_len + args.gen_len + 16
     kv_blocks = 0 if device.type == "cuda" else top * (-(-max_context // 16)) + 64    # CUDA: from free memory
     t = time.perf_counter()
-    eng = engine_for(model, tmp, device, args.dtype, top, max_context, args.step_tokens, kv_blocks, True)
+    eng = engine_for(model, tmp, device, args.dtype, top, max_context, args.step_tokens, kv_blocks, True,
+                     args.async_decode)
     emit({"system": "engine-setup", "model": name, "setup_s": round(time.perf_counter() - t, 2),
           "kv_blocks": eng.runner.num_blocks, "graph_buckets": eng.runner.graphs.buckets if eng.runner.graphs else [],
           "graph_error": eng.runner.graph_error})
@@ -271,6 +275,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="runs per case for each system; the best counts")
     ap.add_argument("--no-check", action="store_true", help="skip the fp32 greedy equality check")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--async-decode", type=int, default=0, choices=[0, 1],
+                    help="engine async_decode: 1 = launch decode step N+1 before step N's ids reach the host")
     ap.add_argument("--smoke", action="store_true", help="tiny model and workload (CPU, seconds)")
     ap.add_argument("--out", type=Path, default=None, help="write all results here as JSON")
     ap.add_argument("--doc-from", type=Path, help="only render docs/benchmarks.md's `### GPU` from a results JSON")

@@ -34,6 +34,8 @@ class EngineConfig:
     fp32_matmul_min_tokens: int = -1    # bf16 on CPU: steps of >= this many rows use fp32 weight copies;
                                         # 0 = never, -1 = auto (16 unless the CPU has bf16 units)
     cuda_graphs: int = 1                # CUDA: replay decode steps from graphs captured per batch bucket
+    async_decode: int = 0               # 1: launch decode step N+1 before step N's ids reach the host (host
+                                        # work overlaps the device); off by default: see docs/engine.md
     default_max_tokens: int = 64
     state_report_interval_s: float = 0.2
     state_full_snapshot_s: float = 10.0

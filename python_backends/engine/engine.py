@@ -4,6 +4,16 @@ One `step()` = schedule (decodes + prefill chunks), one batched forward, samplin
 chunk reached its last token, stop checks, and the outputs of that iteration (delta token ids, and on the last
 one the finish reason and usage). Finished sequences leave at once and free their blocks, so queued ones can
 join in the very next iteration. Not thread-safe: one thread (EngineLoop) drives it.
+
+Async decode (`async_decode=1`; off by default, see docs/engine.md): a step's sampled ids stay on the device and the step is
+left in flight; the next `step()` launches the following decode step first - its input ids gathered on the
+device from the in-flight ids, its metadata built on the host while the device still runs - and only then
+waits for the in-flight ids and returns their outputs. So schedule/prepare/output handling overlap the
+device instead of adding to each step. That lookahead runs only when it needs no scheduling decision (every
+running sequence is decoding, nothing waits, the pool has the blocks); otherwise the in-flight step is
+resolved first and the scheduler runs as usual. A sequence that turns out to have finished (EOS, a stop
+string, an abort) has one wasted row in the step launched after it; its result is dropped. Sequences that
+finish by length are known in advance and left out.
 """
 from __future__ import annotations
 
@@ -21,7 +31,7 @@ from python_backends.engine.lora import FUSED, LoraManager
 from python_backends.engine.metrics import EngineStats
 from python_backends.engine.batch import SeqChunk
 from python_backends.engine.model_runner import ModelRunner, read_model_config
-from python_backends.engine.sampling import sample
+from python_backends.engine.sampling import sample_on_device
 from python_backends.engine.scheduler import Scheduler
 from python_backends.engine.sequence import FinishReason, SamplingParams, Sequence, Status
 from python_backends.engine.stops import StopChecker
@@ -40,6 +50,17 @@ class StepOutput:
     @property
     def usage(self) -> tuple[int, int, int]:
         return (self.seq.num_prompt, self.seq.num_cached_prompt, self.seq.num_emitted)
+
+
+@dataclass
+class _Inflight:
+    """A launched step whose sampled ids have not been read on the host yet."""
+    seqs: list[Sequence]              # sampled sequences, in the row order of ids
+    ids: torch.Tensor                 # their sampled ids, on the device
+    host: torch.Tensor                # pinned host copy being filled (CUDA), else ids itself
+    event: torch.cuda.Event | None    # recorded after the copy: waiting on it does not wait for later steps
+    prefill_tokens: int
+    lookahead: bool                   # launched ahead: its sequences' new full blocks are indexed on resolve
 
 
 class LLMEngine:
@@ -73,6 +94,9 @@ class LLMEngine:
         self.stats = EngineStats()
         self.stop_checkers: dict[int, StopChecker] = {}
         self._pending: list[StepOutput] = []     # outputs decided outside step() (rejections, aborts)
+        self.async_decode = config.async_decode == 1
+        self._inflight: _Inflight | None = None
+        self.lookahead_steps = 0
         self.steps = 0
         self.last_scheduled = 0
 
@@ -122,7 +146,7 @@ class LLMEngine:
         return outputs
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = Status.FINISHED
@@ -146,11 +170,25 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[StepOutput]:
+        try:
+            return self._step()
+        except BaseException:
+            self._inflight = None        # its ids may never arrive; the loop fails the sequences
+            raise
+
+    def _step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         now_ms = time.time() * 1000.0
         for seq in [s for s in self.scheduler.running + self.scheduler.waiting if s.deadline_ms and now_ms > s.deadline_ms]:
             self._finish(seq, FinishReason.DEADLINE)
             outputs.append(StepOutput(seq, [], FinishReason.DEADLINE.value))
+        if self._inflight is not None:
+            prev, self._inflight = self._inflight, None
+            nxt = self._lookahead(prev)
+            if nxt:
+                self._inflight = self._launch_lookahead(nxt, prev)
+                return outputs + self._resolve(prev)
+            outputs += self._resolve(prev)
         scheduled = self.scheduler.schedule()
         self.last_scheduled = len(scheduled)
         if not scheduled:
@@ -175,11 +213,77 @@ class LLMEngine:
         for item in scheduled:
             item.seq.num_computed += item.num_tokens
             self.kv.commit(item.seq)
-        new_ids = sample(logits, sampled) if sampled else []
+        if not sampled:
+            self.stats.on_step(0, prefill_tokens)
+            self.steps += 1
+            return outputs
+        flight = self._launch_sampling(logits, sampled, prefill_tokens, lookahead=False)
+        if self.async_decode:
+            self._inflight = flight
+            return outputs
+        return outputs + self._resolve(flight)
+
+    # ------------------------------------------------------------------ async decode
+    def _lookahead(self, prev: _Inflight) -> list[Sequence]:
+        """The sequences of the next decode step when it can be launched before prev's ids are known: every
+        running sequence was sampled in prev, nothing waits, and the pool has every block needed (so no
+        preemption). Sequences that finish by length once prev resolves are left out. [] = resolve first."""
+        sched = self.scheduler
+        if not self.async_decode or sched.waiting or len(prev.seqs) != len(sched.running):
+            return []
+        nxt: list[Sequence] = []
+        new_blocks = 0
+        for seq in prev.seqs:
+            if seq.status is not Status.RUNNING or seq.num_computed != seq.num_tokens:
+                return []
+            if seq.num_output + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.config.max_context:
+                continue
+            nxt.append(seq)
+            new_blocks += self.kv.blocks_for(seq.num_computed + 1) - len(seq.block_table)
+        return nxt if new_blocks <= self.kv.pool.num_free else []
+
+    def _launch_lookahead(self, seqs: list[Sequence], prev: _Inflight) -> _Inflight:
+        """One decode row per sequence at the position of its in-flight token; the input ids are gathered on
+        the device from prev's sampled ids (the host packs row indices in their place)."""
+        row = {s.seq_id: i for i, s in enumerate(prev.seqs)}
+        chunks = []
+        for seq in seqs:
+            self.kv.ensure(seq, seq.num_computed + 1)
+            chunks.append(SeqChunk([row[seq.seq_id]], seq.num_computed, seq.block_table, True, seq.lora_slot))
+        batch = self.runner.prepare(chunks)
+        batch.input_ids = prev.ids.index_select(0, batch.input_ids)
+        logits = self.runner.forward(batch)
+        for seq in seqs:
+            seq.num_computed += 1
+        self.last_scheduled = len(seqs)
+        self.lookahead_steps += 1
+        return self._launch_sampling(logits, seqs, 0, lookahead=True)
+
+    def _launch_sampling(self, logits: torch.Tensor, seqs: list[Sequence], prefill_tokens: int,
+                         lookahead: bool) -> _Inflight:
+        ids = sample_on_device(logits, seqs, ahead=int(lookahead))   # lookahead: prev's token not appended
+        host, event = ids, None
+        if ids.device.type == "cuda":
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        return _Inflight(seqs, ids, host, event, prefill_tokens, lookahead)
+
+    def _resolve(self, flight: _Inflight) -> list[StepOutput]:
+        """Wait for a launched step's ids (only them: later launches keep running) and apply them."""
+        if flight.event is not None:
+            flight.event.synchronize()
+        new_ids = flight.host.tolist()
         now = time.monotonic()
-        for seq, tok in zip(sampled, new_ids):
+        outputs = []
+        for seq, tok in zip(flight.seqs, new_ids):
+            if seq.finished:             # stopped or aborted after this step was launched: a wasted row
+                continue
+            if flight.lookahead:
+                self.kv.commit(seq)
             outputs.append(self._append(seq, tok, now))
-        self.stats.on_step(len(new_ids), prefill_tokens)
+        self.stats.on_step(len(outputs), flight.prefill_tokens)
         self.steps += 1
         return outputs
 

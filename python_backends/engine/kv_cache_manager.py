@@ -75,7 +75,8 @@ class KVCacheManager:
         """After a step: index the blocks (prompt or generated) that are now full and computed."""
         if not self.enable_prefix_cache:
             return
-        upto = seq.num_computed // self.block_size
+        # min: with async decode a step's K/V may be computed before its input token reaches token_ids
+        upto = min(seq.num_computed, seq.num_tokens) // self.block_size
         if upto <= seq.num_hashed_blocks:
             return
         hashes = self._hashes(seq, upto)

@@ -5,7 +5,7 @@ logits sorted once per step, then the exponential race (argmax of p / q with q ~
 from p) - the way vLLM samples without a per-row multinomial. Greedy rows take the argmax. Rows with a request
 seed draw their q from their own torch.Generator on the device (created on first use, kept on the sequence, so
 the same seed and prompt give the same output whatever else shares the batch, also after preemption); the
-other rows share one draw. The only host sync is the final `.tolist()`.
+other rows share one draw. The only host sync is the final `.tolist()` (none in `sample_on_device`).
 """
 from __future__ import annotations
 
@@ -26,23 +26,29 @@ def step_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
-def _generator(seq: Sequence, device: torch.device) -> torch.Generator:
+def _generator(seq: Sequence, device: torch.device, ahead: int = 0) -> torch.Generator:
     """The generator for a seeded sequence's next token. Seeded per step from (seed, seed_offset + output
     tokens so far), so the draw for output token k does not depend on the draws this process made before:
     a stream the router resumes elsewhere (with seed_offset = tokens already generated) continues the same
     random stream."""
     if seq.generator is None or seq.generator.device != device:
         seq.generator = torch.Generator(device=device)
-    seq.generator.manual_seed(step_seed(seq.params.seed, seq.params.seed_offset + seq.num_output))
+    seq.generator.manual_seed(step_seed(seq.params.seed, seq.params.seed_offset + seq.num_output + ahead))
     return seq.generator
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: fp32 [len(seqs), vocab] on any device; returns one token id per sequence."""
+    return sample_on_device(logits, seqs).tolist()
+
+
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> torch.Tensor:
+    """As `sample`, but the ids stay on the logits' device (int64 [len(seqs)]); no host sync. ahead: output
+    tokens each sequence has sampled that are not in its token list yet (async decode's step in flight)."""
     greedy_ids = logits.argmax(dim=-1)
     random_rows = [r for r, s in enumerate(seqs) if not s.params.greedy]
     if not random_rows:
-        return greedy_ids.tolist()
+        return greedy_ids
     dev = logits.device
     sub = [seqs[r] for r in random_rows]
     rows = torch.tensor(random_rows, device=dev)
@@ -62,8 +68,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     q = torch.empty_like(probs).exponential_()
     for i, s in enumerate(sub):
         if s.params.seed is not None:
-            q[i].exponential_(generator=_generator(s, dev))
+            q[i].exponential_(generator=_generator(s, dev, ahead))
     choice = (probs / q).argmax(dim=-1, keepdim=True)
     picked = order.gather(1, choice).squeeze(1)
-    out = greedy_ids.index_copy(0, rows, picked)
-    return out.tolist()
+    return greedy_ids.index_copy(0, rows, picked)
