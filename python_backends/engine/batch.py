@@ -28,7 +28,7 @@ class ForwardBatch:
     tok_seq: torch.Tensor | None = None        # CUDA: block-table row of each token
     block_tables: torch.Tensor | None = None   # CUDA: [chunks, max blocks]
     decode_gather: torch.Tensor | None = None  # CPU: [n_decode, blocks] block ids
-    decode_mask: torch.Tensor | None = None    # CPU: [1, n_decode, 1, blocks*bs]
+    decode_mask: torch.Tensor | None = None    # CPU: [n_decode, 1, 1, blocks*bs]
     prefill_blocks: torch.Tensor | None = None  # CPU: blocks of all prefill chunks, concatenated
     prefill_mask: torch.Tensor | None = None    # CPU: [prefill tokens, keys]
 

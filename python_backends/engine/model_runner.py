@@ -6,7 +6,7 @@ slots the block tables name before attention reads them, so a chunk sees its own
 - CUDA: one paged-attention Triton kernel per layer for every token of the step (paged_attention.py), reading
   blocks in place; decode-only steps replay a CUDA graph captured per batch-size bucket (cuda_graphs.py).
 - CPU: decode rows attend to their blocks gathered whole (one index_select per layer, a memcpy of contiguous
-  block rows) in one batched matmul pair; all prefill chunks of the step go through ONE SDPA call over their
+  block rows) in one masked SDPA call; all prefill chunks of the step go through ONE SDPA call over their
   gathered blocks with a block-diagonal causal mask.
 
 The step's metadata (ids, positions, slots, block tables, ...) is packed into one int64 vector and moved in one
@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from python_backends.engine import paged_attention
 from python_backends.engine.batch import ForwardBatch, SeqChunk
-from python_backends.engine.device import Staging, fp32_matmul_rows, kv_blocks_for_memory
+from python_backends.engine.device import PackedLinear, Staging, fp32_matmul_rows, kv_blocks_for_memory
 from python_backends.engine.lora import LoraManager
 from python_backends.engine.rope import rope_tables
 
@@ -74,11 +74,10 @@ class ModelRunner:
         # copies (upcasting is exact) for steps of >= min_rows_fp32 rows. CPUs with AVX512-BF16/AMX skip it.
         self.min_rows_fp32 = fp32_matmul_rows(fp32_matmul_min_tokens, self.dtype, self.device)
         self.w32: dict[int, torch.Tensor] = {}
-        if self.min_rows_fp32:
-            for L in self.layers:
-                for key in ("qkv", "o", "gate_up", "down"):
-                    self.w32[id(L[key])] = L[key].float()
-            self.w32[id(self.lm_head)] = self.lm_head.float()
+        for L in self.layers:
+            for key in ("qkv", "o", "gate_up", "down"):
+                L[key] = self._prepare_linear(L[key])
+        self.lm_head = self._prepare_linear(self.lm_head)
         # The pool comes last: sized from what is free once weights (and fp32 copies) are resident.
         self.num_blocks = num_blocks or kv_blocks_for_memory(kv_memory_fraction, self.kv_bytes_per_block(), self.device)
         self.cos, self.sin = rope_tables(cfg, self.head_dim, max_context + block_size, self.dtype, self.device)
@@ -115,6 +114,15 @@ class ModelRunner:
                 "gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]).contiguous(),
                 "down": get(p + "mlp.down_proj.weight"),
             })
+
+    def _prepare_linear(self, w: torch.Tensor) -> torch.Tensor | PackedLinear:
+        """CPU bf16: the weight packed once for oneDNN (device.PackedLinear), else as is; plus its fp32 copy
+        where this CPU wants one for many-row steps."""
+        linear = PackedLinear.pack(w) if self.device.type == "cpu" else None
+        linear = linear or w
+        if self.min_rows_fp32:
+            self.w32[id(linear)] = w.float()
+        return linear
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -217,7 +225,7 @@ class ModelRunner:
             rows = [c.block_table[:-(-ln // bs)] for c, ln in zip(chunks, lens)]
             batch.decode_gather = torch.tensor([r + [0] * (nbmax - len(r)) for r in rows], dtype=torch.long)
             ln = torch.tensor(lens)
-            batch.decode_mask = (torch.arange(nbmax * bs).unsqueeze(0) < ln.unsqueeze(1)).view(1, n_decode, 1, -1)
+            batch.decode_mask = (torch.arange(nbmax * bs).unsqueeze(0) < ln.unsqueeze(1)).view(n_decode, 1, 1, -1)
         if len(chunks) > n_decode:
             # One SDPA call for all prefill chunks: keys = each chunk's blocks in turn; a query token sees the
             # keys of its own chunk's region up to its own position (block-diagonal, causal with offsets).
@@ -250,27 +258,19 @@ class ModelRunner:
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin
 
-    def _mm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, w: torch.Tensor | PackedLinear) -> torch.Tensor:
         if self.min_rows_fp32 and x.shape[0] >= self.min_rows_fp32:
             return F.linear(x.float(), self.w32[id(w)]).to(x.dtype)
+        if isinstance(w, PackedLinear):
+            return w(x.contiguous())
         return F.linear(x, w)
 
-    def _lin(self, x: torch.Tensor, w: torch.Tensor, layer: int, name: str, batch: ForwardBatch) -> torch.Tensor:
+    def _lin(self, x: torch.Tensor, w: torch.Tensor | PackedLinear, layer: int, name: str,
+             batch: ForwardBatch) -> torch.Tensor:
         y = self._mm(x, w)
         if batch.lora_rows is not None and self.lora is not None:
             y = self.lora.apply(y, x, layer, name, batch.lora_rows)
         return y
-
-    def _decode_attention_cpu(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """One query per row: plain batched matmuls. CPU flash attention is built for long queries and is ~10x
-        slower here. q [B, H, D]; k, v [KV, B, L, D]; mask [1, B, 1, L] (True = attend)."""
-        B, H, D = q.shape
-        KV = k.shape[0]
-        qg = q.view(B, KV, H // KV, D).transpose(0, 1)                   # [KV, B, G, D]: G heads share K/V
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (D ** -0.5)   # [KV, B, G, L]
-        scores.masked_fill_(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        return torch.matmul(probs, v).transpose(0, 1).reshape(B, H * D)
 
     def _attention(self, li: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T = q.shape[0]
@@ -288,7 +288,11 @@ class ModelRunner:
             g = batch.decode_gather.view(-1)
             kd = kb.index_select(1, g).view(KV, nd, -1, D)       # [KV, Bd, L, D], contiguous
             vd = vb.index_select(1, g).view(KV, nd, -1, D)
-            outs.append(self._decode_attention_cpu(q[:nd], kd, vd, batch.decode_mask))
+            # SDPA over the gathered blocks with the length mask: one fused kernel (3-4x fewer microseconds
+            # than matmul + softmax + matmul at 1-32 rows, measured), GQA without repeating K/V.
+            od = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), kd.transpose(0, 1), vd.transpose(0, 1),
+                                                attn_mask=batch.decode_mask, enable_gqa=True)
+            outs.append(od.view(nd, H * D))
         if T > nd:
             qp = q[nd:].transpose(0, 1).unsqueeze(0)                    # [1, H, n, D]
             kp = kb.index_select(1, batch.prefill_blocks).view(1, KV, -1, D)
