@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,6 +35,35 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """Lowest port the kernel hands out to outgoing connections (and to bind-to-0)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_block(size: int) -> int:
+    """First port of `size` free consecutive ports below the ephemeral range: a replica started a minute later
+    (autoscaler, actuator) must not find one of its ports taken by some process's outgoing connection, which
+    the kernel gives ports from the ephemeral range."""
+    top = min(40000, _ephemeral_low()) - size
+    for _ in range(200):
+        base = random.randrange(15000, top, 10)
+        if all(_bindable(base + i) and not port_open("127.0.0.1", base + i) for i in range(size)):
+            return base
+    raise RuntimeError("no free port block")
 
 
 def wait_until(check: Callable[[], T], timeout_s: float, what: str, proc: subprocess.Popen | None = None,

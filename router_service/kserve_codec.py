@@ -23,7 +23,7 @@ INPUTS = {
     "lora_name": ({"BYTES"}, True), "stream": ({"BOOL"}, True),
 }
 PARAMETERS = {"priority", "tier", "deadline_ms", "adapter", "session", "cache_hint", "version",
-              "triton_enable_empty_final_response"}
+              "ignore_eos", "triton_enable_empty_final_response"}
 _CONTENTS_FIELD = {"BYTES": "bytes_contents", "BOOL": "bool_contents", "FP32": "fp32_contents",
                    "FP64": "fp64_contents", "INT32": "int_contents", "INT64": "int64_contents",
                    "UINT32": "uint_contents", "UINT64": "uint64_contents"}
@@ -109,6 +109,10 @@ def decode_request(request: pb.ModelInferRequest) -> GenerateRequest:
     if params.get("deadline_ms") is not None:
         req.deadline_ms = deadline_from_param(params["deadline_ms"])
     req.session = str(params.get("session") or "")
+    if params.get("ignore_eos") is not None:
+        if not isinstance(params["ignore_eos"], bool):
+            raise invalid("ignore_eos", "must be a bool parameter (true: generate max_tokens even past end-of-sequence)")
+        req.ignore_eos = params["ignore_eos"]
     return req
 
 

@@ -34,6 +34,7 @@ class _Common(BaseModel):
     deadline_ms: int | None = None
     session: str = ""
     cache_hint: str | None = None
+    ignore_eos: bool = False  # generate max_tokens even past end-of-sequence (load tests, benchmarks)
 
     def to_request(self, **prompt) -> GenerateRequest:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -44,7 +45,7 @@ class _Common(BaseModel):
             max_tokens=next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None), 64),
             temperature=self.temperature,
             top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop, session=self.session or self.user or "",
-            **prompt)
+            ignore_eos=self.ignore_eos, **prompt)
 
 
 class CompletionBody(_Common):

@@ -39,6 +39,7 @@ class GenerateRequest:
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # keep generating past end-of-sequence up to max_tokens (load tests, benchmarks)
     session: str = ""  # rollout stickiness key; the caller name when empty
     client_id: str = ""  # the caller's own request id, echoed back for correlation only (common.names.CLIENT_ID_RE)
 

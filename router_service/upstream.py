@@ -119,6 +119,8 @@ class ReplicaClient:
         params = {"llm_priority": TIER_INDEX[req.tier], "deadline_ms": int(req.deadline_ms or 0)}
         if lora_load:
             params["lora_load"] = True
+        if req.ignore_eos:
+            params["ignore_eos"] = True
         if seed_offset:  # a resumed seeded stream: the engine continues the random stream at this step
             params["seed_offset"] = seed_offset
         request = _get_inference_request(

@@ -1,4 +1,5 @@
-"""Engine benchmark on the CPU: the same workloads against our engine through Triton, transformers `generate`
+"""Engine benchmark on the CPU: the same workloads against our whole platform (`fleet up`: requests through the
+router to one engine replica), our engine's replica alone (its Triton, no router), transformers `generate`
 with static batches, and llama.cpp's `llama-server --parallel N`, one after another in one run, each with the
 same CPU threads; the load average is recorded before every system's run.
 
@@ -10,7 +11,7 @@ engine. Writes bench/results/engine-<timestamp>.json and the `### CPU` part of d
 The GPU mode is bench/engine/gpu_bench.py.
 
     python -m bench.engine.bench_engine                        # burst at 32, Poisson at 32, 8, 1
-    python -m bench.engine.bench_engine --workloads burst --concurrency 32 --systems engine,hf,llama
+    python -m bench.engine.bench_engine --workloads burst --concurrency 32 --systems platform,engine,hf,llama
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -29,10 +31,11 @@ import psutil
 from bench.engine.peers import Result, run_llama_server, run_triton, summarize
 from bench.engine.report_doc import cpu_section, replace_subsection
 from bench.engine.workload import Request, make_burst, make_workload
-from common.processes import free_port, stop_pid
+from common.processes import free_port, free_port_block, stop_pid, wait_until
 from common.settings import REPO_ROOT, load_settings
 
 RESULTS = REPO_ROOT / "bench" / "results"
+PLATFORM_MODEL = "smollm2-135m"   # the model `fleet up` registers
 
 
 class RssSampler:
@@ -69,6 +72,54 @@ def _metric(url: str, name: str) -> float | None:
     return None
 
 
+def engine_env(concurrency: int, args) -> dict[str, str]:
+    """The engine's settings for one level (FLEET_ENGINE_* overrides, read by the replica at start)."""
+    return {"FLEET_ENGINE_NUM_KV_BLOCKS": str(args.kv_blocks), "FLEET_ENGINE_MAX_NUM_SEQS": str(max(concurrency, 1)),
+            "FLEET_ENGINE_MAX_NUM_BATCHED_TOKENS": str(args.step_tokens), "FLEET_ENGINE_THREADS": str(args.threads),
+            "OMP_NUM_THREADS": str(args.threads)}
+
+
+def bench_platform(settings, workloads: dict, args) -> dict:
+    """The whole platform as callers meet it: `fleet up` on a throwaway data dir (router, one engine replica,
+    Kafka-protocol broker, usage loader, admin UI; autoscaler off, so the replica stays one), every request
+    through the router's KServe gRPC stream with the dev API key, standard tier. The router's per-replica
+    stream cap follows the level (as the engine's max_num_seqs does) and its first-token timeout is raised
+    to 600 s so an overloaded level is measured, not cordoned."""
+    out = {}
+    for key, (conc, reqs) in workloads.items():
+        data_dir = Path(tempfile.mkdtemp(prefix=f"bench-platform-{key}-", dir=settings.data_dir))
+        base = free_port_block(40)
+        env = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
+        env.update(FLEET_DATA_DIR=str(data_dir), FLEET_ROUTER_HTTP_PORT=str(base), FLEET_ROUTER_GRPC_PORT=str(base + 1),
+                   FLEET_ADMIN_UI_PORT=str(base + 2), FLEET_KAFKA_PORT=str(base + 3),
+                   FLEET_ROUTER_INTERNAL_PORT=str(base + 4), FLEET_REPLICA_BASE_PORT=str(base + 10),
+                   FLEET_AUTOSCALER="off", FLEET_ROUTER_REPLICA_CONCURRENCY=str(max(conc, 1)),
+                   FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S="interactive=600,standard=600,batch=600",
+                   **engine_env(conc, args))
+
+        def fleet(*cmd: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "fleet.cli", *cmd], env=env, cwd=REPO_ROOT,
+                                  capture_output=True, text=True, timeout=900)
+        up = fleet("up")
+        try:
+            if up.returncode:
+                raise RuntimeError(f"fleet up failed:\n{up.stdout[-2000:]}\n{up.stderr[-2000:]}")
+            api_key = (data_dir / "dev-api-key").read_text().strip()
+            grpc_url = f"127.0.0.1:{base + 1}"
+            probe = [Request(idx=-1, arrival_s=0.0, prompt_ids=[1, 2, 3], max_tokens=2, shared_prefix=False)]
+            wait_until(lambda: not run_triton(grpc_url, probe, 1, PLATFORM_MODEL, api_key)[0].error, 300,
+                       "a first request through the router")
+            load = [round(x, 1) for x in os.getloadavg()]
+            results = run_triton(grpc_url, reqs, conc, PLATFORM_MODEL, api_key)
+            s = summarize(results)
+            s["load_avg_before"] = load
+        finally:
+            fleet("down")
+        out[key] = s
+        print(f"platform {key}: {json.dumps(s)}", flush=True)
+    return out
+
+
 def bench_engine(settings, weights: Path, workloads: dict, args) -> dict:
     from build_engines.triton_repo import cpu_values, render_repository
     from common.services import start_triton
@@ -79,9 +130,7 @@ def bench_engine(settings, weights: Path, workloads: dict, args) -> dict:
                                                           args.dtype), steps=("engine",))
     for key, (conc, reqs) in workloads.items():
         base = free_port()
-        env = {"FLEET_ENGINE_NUM_KV_BLOCKS": str(args.kv_blocks), "FLEET_ENGINE_MAX_NUM_SEQS": str(max(conc, 1)),
-               "FLEET_ENGINE_MAX_NUM_BATCHED_TOKENS": str(args.step_tokens), "FLEET_ENGINE_THREADS": str(args.threads),
-               "OMP_NUM_THREADS": str(args.threads)}
+        env = engine_env(conc, args)
         load = [round(x, 1) for x in os.getloadavg()]
         proc = start_triton(settings, repo, base, run_dir / f"triton-{key}.log", extra_env=env)
         rss = RssSampler(proc.pid)
@@ -189,7 +238,8 @@ def main() -> None:
     parser.add_argument("--requests-per-level", default="", help="e.g. 32:64,8:32,1:8 (overrides the two above)")
     parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrival rate, requests/s")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--systems", default="engine,hf,llama")
+    parser.add_argument("--systems", default="platform,engine,hf,llama",
+                        help="platform (router + one replica via `fleet up`), engine (the replica alone), hf, llama")
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--kv-blocks", type=int, default=4096)
     parser.add_argument("--step-tokens", type=int, default=256, help="engine max_num_batched_tokens")
@@ -232,7 +282,8 @@ def main() -> None:
               "rate": args.rate, "threads": args.threads, "systems": {}}
     report["requests_per_level"] = {k: len(w) for k, (_, w) in levels.items()}
     systems = args.systems.split(",")
-    runners = {"engine": lambda w: bench_engine(settings, weights, w, args), "hf": lambda w: bench_hf(weights, w, args),
+    runners = {"platform": lambda w: bench_platform(settings, w, args),
+               "engine": lambda w: bench_engine(settings, weights, w, args), "hf": lambda w: bench_hf(weights, w, args),
                "llama": lambda w: bench_llama(settings, w, args)}
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"

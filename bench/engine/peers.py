@@ -55,19 +55,23 @@ def _dispatch(requests: list[Request], concurrency: int, run_one, t0: float) -> 
     return results
 
 
-def run_triton(grpc_url: str, requests: list[Request], concurrency: int) -> list[Result]:
+def run_triton(grpc_url: str, requests: list[Request], concurrency: int, model: str = "engine",
+               api_key: str = "") -> list[Result]:
+    """KServe gRPC streaming: a replica's Triton (model `engine`) or, with an API key, the router (the
+    registry's model name; the router takes the same input_ids/max_tokens tensors)."""
     import tritonclient.grpc as grpcclient
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+    params = {"ignore_eos": True} if api_key else {"ignore_eos": True, "llm_priority": 1}
 
     def run_one(r: Request, res: Result) -> None:
         client = grpcclient.InferenceServerClient(grpc_url)
         q: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: q.put((result, error, time.time())))
+        client.start_stream(callback=lambda result, error: q.put((result, error, time.time())), headers=headers)
         ids = grpcclient.InferInput("input_ids", [len(r.prompt_ids)], "INT32")
         ids.set_data_from_numpy(np.asarray(r.prompt_ids, dtype=np.int32))
         mt = grpcclient.InferInput("max_tokens", [1], "INT32")
         mt.set_data_from_numpy(np.asarray([r.max_tokens], dtype=np.int32))
-        client.async_stream_infer("engine", [ids, mt], request_id=str(r.idx),
-                                  parameters={"ignore_eos": True, "llm_priority": 1})
+        client.async_stream_infer(model, [ids, mt], request_id=str(r.idx), parameters=params)
         try:
             while True:
                 result, error, t = q.get(timeout=600)

@@ -42,39 +42,44 @@ def cpu_section(report: dict, command: str) -> str:
     notes = []
     for key in report["levels"]:
         kind, conc = key.split("-")
-        for system in ("engine", "hf", "llama"):
+        for system in ("platform", "engine", "hf", "llama"):
             s = report["systems"].get(system, {}).get(key)
             if s:
                 rows.append(f"| {kind} | {conc} | {system} | {_f(s['throughput_tok_s'], 1)} | {_f(s['ttft_ms_p50'])} | "
                             f"{_f(s['ttft_ms_p95'])} | {_f(s['itl_ms_p50'], 1)} | {_f(s['itl_ms_p95'], 1)} | "
-                            f"{_f(s['peak_rss_mb'])} | {s.get('load_avg_before', '-')} |")
+                            f"{_f(s.get('peak_rss_mb'))} | {s.get('load_avg_before', '-')} |")
+        parts = []
+        for ours in ("platform", "engine"):
+            o = report["systems"].get(ours, {}).get(key)
+            for peer in ("hf", "llama"):
+                p = report["systems"].get(peer, {}).get(key)
+                if o and p and p["throughput_tok_s"]:
+                    parts.append(f"{ours} throughput {o['throughput_tok_s'] / p['throughput_tok_s']:.2f}x {peer}")
+                    if p.get("ttft_ms_p95"):
+                        parts.append(f"{ours} TTFT p95 {o['ttft_ms_p95'] / p['ttft_ms_p95']:.2f}x {peer}")
+            if o and conc == "1" and o.get("itl_ms_p50"):
+                parts.append(f"{ours} single-stream decode {1000 / o['itl_ms_p50']:.1f} tok/s (1 / ITL p50)")
         e = report["systems"].get("engine", {}).get(key)
         if not e:
+            notes.append(f"- {kind} c={conc}: " + ", ".join(parts))
             continue
-        parts = []
-        for peer in ("hf", "llama"):
-            p = report["systems"].get(peer, {}).get(key)
-            if p and p["throughput_tok_s"]:
-                parts.append(f"throughput {e['throughput_tok_s'] / p['throughput_tok_s']:.2f}x {peer}")
-                if p.get("ttft_ms_p95"):
-                    parts.append(f"TTFT p95 {e['ttft_ms_p95'] / p['ttft_ms_p95']:.2f}x {peer}")
         if kind == "poisson":
             parts.append(f"prefix cache saved {100 * e['prefix_saved_shared']:.0f} % of the shared-prompt requests' "
                          f"prefill ({100 * e['prefix_saved_all']:.0f} % of all prompt tokens)")
         if e.get("kv_overhead_max"):
             parts.append(f"KV blocks in use / resident tokens max {e['kv_overhead_max']:.3f}x")
-        if conc == "1" and e.get("itl_ms_p50"):
-            parts.append(f"single-stream decode {1000 / e['itl_ms_p50']:.1f} tok/s (1 / ITL p50)")
         notes.append(f"- {kind} c={conc}: " + ", ".join(parts))
     notes += [f"- {n}" for n in report.get("notes", [])]
-    about = ("Our engine (served by tritonserver as the decoupled model `engine`, driven over gRPC streaming) vs "
+    about = ("Our whole platform (`platform`: `fleet up`, every request through the router's KServe gRPC stream "
+             "with an API key to one engine replica; usage metered through Kafka as in production) and our engine's "
+             "replica alone (`engine`: tritonserver's decoupled model `engine`, gRPC streaming, no router) vs "
              "transformers `generate` with static batches (batch = concurrency, left padding, runs to the longest "
              "output of the batch) vs llama.cpp `llama-server --parallel N` (Q4_1 GGUF, `cache_prompt`), one after "
              "another, same CPU threads each. Workloads (token ids, EOS ignored): `burst` = all requests at once, "
              "20-60-token prompts, 128 output tokens each; `poisson` = Poisson arrivals, prompts of 100-1,000 "
              "tokens, half with one shared 300-token system prompt, outputs of 16-256 tokens. Throughput = output "
              "tokens / makespan; TTFT from arrival (client-side queueing included); ITL = gaps between streamed "
-             "tokens; peak RSS of each system's processes.")
+             "tokens; peak RSS of each system's processes (the replica's for `engine`; not sampled for `platform`).")
     return "\n".join([about, "", f"Command: `{command}`  ", f"Run: {report['started']} (load average at start "
                       f"{report['load_avg']}), requests per level {report['requests_per_level']}, Poisson rate "
                       f"{report['rate']}/s, dtype {report['dtype']}, {report['threads']} CPU thread(s) per system.",

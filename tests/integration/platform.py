@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import os
 import queue
-import random
-import socket
 import time
 import subprocess
 import sys
@@ -14,37 +12,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from common.processes import port_open, wait_until
+from common.processes import free_port_block, wait_until
 from common.settings import REPO_ROOT
-
-
-def _ephemeral_low() -> int:
-    """Lowest port the kernel hands out to outgoing connections (and to bind-to-0)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_block(size: int) -> int:
-    """A block of ports below the ephemeral range: a replica started a minute later (autoscaler, actuator)
-    must not find one of its ports taken by some process's outgoing connection, which the kernel gives
-    ports from the ephemeral range."""
-    top = min(40000, _ephemeral_low()) - size
-    for _ in range(200):
-        base = random.randrange(15000, top, 10)
-        if all(_bindable(base + i) and not port_open("127.0.0.1", base + i) for i in range(size)):
-            return base
-    raise RuntimeError("no free port block")
 
 
 @dataclass
@@ -128,7 +97,7 @@ def wait_replicas_serving(http_url: str, admin_token: str, replica_ids: list[str
 
 
 def platform_env(data_dir: Path) -> dict[str, str]:
-    base = _free_block(40)
+    base = free_port_block(40)
     env = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
     env.update(FLEET_DATA_DIR=str(data_dir), FLEET_ROUTER_HTTP_PORT=str(base), FLEET_ROUTER_GRPC_PORT=str(base + 1),
                FLEET_ADMIN_UI_PORT=str(base + 2), FLEET_KAFKA_PORT=str(base + 3),

@@ -31,6 +31,8 @@ def _request(inputs: list[InferInput], **params) -> pb.ModelInferRequest:
     for k, v in params.items():
         if isinstance(v, str):
             req.parameters[k].string_param = v
+        elif isinstance(v, bool):
+            req.parameters[k].bool_param = v
         else:
             req.parameters[k].int64_param = v
     return req
@@ -50,6 +52,14 @@ def test_kserve_request_decodes_all_fields():
     assert (req.prompt_text, req.max_tokens, req.temperature, req.stop, req.seed, req.tier) == \
         ("hello", 12, 0.5, ["\n", "END"], 7, "batch")
     assert req.deadline_ms > time.time() * 1000
+    assert not req.ignore_eos
+
+
+def test_ignore_eos_parameter_reaches_the_request():
+    hi = _tensor("text_input", [b"hi"], "BYTES", object)
+    assert decode_request(_request([hi], ignore_eos=True)).ignore_eos is True
+    with pytest.raises(RouterError, match="ignore_eos: must be a bool"):
+        decode_request(_request([hi], ignore_eos="yes"))
 
 
 @pytest.mark.parametrize("inputs,params,match", [
