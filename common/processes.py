@@ -66,6 +66,19 @@ def free_port_block(size: int) -> int:
     raise RuntimeError("no free port block")
 
 
+def throwaway_platform_env(data_dir: Path) -> dict[str, str]:
+    """Environment for a whole local platform (`fleet up`) on its own data dir and a free port block, beside
+    any other: tests and the platform benchmark. A caller's KAFKA_BOOTSTRAP_SERVERS is dropped (the
+    platform starts its own broker); the autoscaler is off, so the replica count stays what the caller set."""
+    base = free_port_block(40)
+    env = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
+    env.update(FLEET_DATA_DIR=str(data_dir), FLEET_ROUTER_HTTP_PORT=str(base), FLEET_ROUTER_GRPC_PORT=str(base + 1),
+               FLEET_ADMIN_UI_PORT=str(base + 2), FLEET_KAFKA_PORT=str(base + 3),
+               FLEET_ROUTER_INTERNAL_PORT=str(base + 4), FLEET_REPLICA_BASE_PORT=str(base + 10),
+               FLEET_AUTOSCALER="off")
+    return env
+
+
 def wait_until(check: Callable[[], T], timeout_s: float, what: str, proc: subprocess.Popen | None = None,
                log_path: Path | None = None, interval_s: float = 0.2) -> T:
     """Poll `check` until it returns something truthy (returned); a check that raises counts as not yet.

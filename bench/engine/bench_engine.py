@@ -31,7 +31,7 @@ import psutil
 from bench.engine.peers import Result, run_llama_server, run_triton, summarize
 from bench.engine.report_doc import cpu_section, replace_subsection
 from bench.engine.workload import Request, make_burst, make_workload
-from common.processes import free_port, free_port_block, stop_pid, wait_until
+from common.processes import free_port, stop_pid, throwaway_platform_env, wait_until
 from common.settings import REPO_ROOT, load_settings
 
 RESULTS = REPO_ROOT / "bench" / "results"
@@ -88,12 +88,8 @@ def bench_platform(settings, workloads: dict, args) -> dict:
     out = {}
     for key, (conc, reqs) in workloads.items():
         data_dir = Path(tempfile.mkdtemp(prefix=f"bench-platform-{key}-", dir=settings.data_dir))
-        base = free_port_block(40)
-        env = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
-        env.update(FLEET_DATA_DIR=str(data_dir), FLEET_ROUTER_HTTP_PORT=str(base), FLEET_ROUTER_GRPC_PORT=str(base + 1),
-                   FLEET_ADMIN_UI_PORT=str(base + 2), FLEET_KAFKA_PORT=str(base + 3),
-                   FLEET_ROUTER_INTERNAL_PORT=str(base + 4), FLEET_REPLICA_BASE_PORT=str(base + 10),
-                   FLEET_AUTOSCALER="off", FLEET_ROUTER_REPLICA_CONCURRENCY=str(max(conc, 1)),
+        env = throwaway_platform_env(data_dir)
+        env.update(FLEET_ROUTER_REPLICA_CONCURRENCY=str(max(conc, 1)),
                    FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S="interactive=600,standard=600,batch=600",
                    **engine_env(conc, args))
 
@@ -105,7 +101,7 @@ def bench_platform(settings, workloads: dict, args) -> dict:
             if up.returncode:
                 raise RuntimeError(f"fleet up failed:\n{up.stdout[-2000:]}\n{up.stderr[-2000:]}")
             api_key = (data_dir / "dev-api-key").read_text().strip()
-            grpc_url = f"127.0.0.1:{base + 1}"
+            grpc_url = f"127.0.0.1:{env['FLEET_ROUTER_GRPC_PORT']}"
             probe = [Request(idx=-1, arrival_s=0.0, prompt_ids=[1, 2, 3], max_tokens=2, shared_prefix=False)]
             wait_until(lambda: not run_triton(grpc_url, probe, 1, PLATFORM_MODEL, api_key)[0].error, 300,
                        "a first request through the router")

@@ -27,85 +27,78 @@ except ImportError:
     triton = tl = None
 
 if triton is not None:
+    @triton.jit
+    def _load_queries(Q, SEQ, POS, stride_qt, stride_qh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+        """This program's token and KV head: its block-table row, context length, GQA group of query heads."""
+        t = tl.program_id(0)
+        g = tl.program_id(1)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        gmask = offs_g < G
+        heads = g * G + offs_g
+        q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+        return t, g, tl.load(SEQ + t), tl.load(POS + t) + 1, heads, gmask, offs_d, q
+
+    @triton.jit
+    def _tile_slots(BT, row, stride_bt, start, ctx, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Pool slots of keys start..start+BLOCK_N-1 of the sequence (through its block table) and their mask."""
+        n = start + tl.arange(0, BLOCK_N)
+        nmask = n < ctx
+        blk = tl.load(BT + row * stride_bt + n // BS, mask=nmask, other=0)
+        return blk.to(tl.int64) * BS + n % BS, nmask
+
+    @triton.jit
+    def _softmax_step(s, nmask, m, denom):
+        """Online softmax: fold one tile of scores in; returns the tile's weights, the rescale of the old sum."""
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        return p, alpha, m_new, denom * alpha + tl.sum(p, axis=1)
+
     @triton.jit(do_not_specialize=["stride_bt"])
     def _paged_attention_kernel(Q, K, V, O, BT, SEQ, POS, scale,
                                 stride_qt, stride_qh, stride_kh, stride_ot, stride_oh, stride_bt,
                                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                                 BLOCK_N: tl.constexpr):
-        t = tl.program_id(0)
-        g = tl.program_id(1)
-        row = tl.load(SEQ + t)
-        ctx = tl.load(POS + t) + 1
-        offs_g = tl.arange(0, GP)
-        offs_d = tl.arange(0, D)
-        offs_n = tl.arange(0, BLOCK_N)
-        gmask = offs_g < G
-        heads = g * G + offs_g
-        q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+        t, g, row, ctx, heads, gmask, offs_d, q = _load_queries(Q, SEQ, POS, stride_qt, stride_qh, G, GP, D)
         q = q.to(tl.float32) * scale
         m = tl.full([GP], float("-inf"), tl.float32)
         denom = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        kbase = K + g * stride_kh
-        vbase = V + g * stride_kh
         for start in range(0, ctx, BLOCK_N):
-            n = start + offs_n
-            nmask = n < ctx
-            blk = tl.load(BT + row * stride_bt + n // BS, mask=nmask, other=0)
-            slot = blk.to(tl.int64) * BS + n % BS
-            k = tl.load(kbase + slot[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
+            slot, nmask = _tile_slots(BT, row, stride_bt, start, ctx, BS, BLOCK_N)
+            kv = g * stride_kh + slot[:, None] * D + offs_d[None, :]
+            k = tl.load(K + kv, mask=nmask[:, None], other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                 # [GP, BLOCK_N]
-            s = tl.where(nmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            denom = denom * alpha + tl.sum(p, axis=1)
-            v = tl.load(vbase + slot[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
+            p, alpha, m, denom = _softmax_step(s, nmask, m, denom)
+            v = tl.load(V + kv, mask=nmask[:, None], other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m = m_new
         out = acc / denom[:, None]
         tl.store(O + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=gmask[:, None])
-
 
     @triton.jit(do_not_specialize=["stride_bt"])
     def _paged_attention_dot_kernel(Q, K, V, O, BT, SEQ, POS, scale,
                                     stride_qt, stride_qh, stride_kh, stride_ot, stride_oh, stride_bt,
                                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                                     BLOCK_N: tl.constexpr, PREC: tl.constexpr):
-        t = tl.program_id(0)
-        g = tl.program_id(1)
-        row = tl.load(SEQ + t)
-        ctx = tl.load(POS + t) + 1
-        offs_g = tl.arange(0, GP)
-        offs_d = tl.arange(0, D)
-        offs_n = tl.arange(0, BLOCK_N)
-        gmask = offs_g < G
-        heads = g * G + offs_g
-        q = tl.load(Q + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=gmask[:, None], other=0.0)
+        t, g, row, ctx, heads, gmask, offs_d, q = _load_queries(Q, SEQ, POS, stride_qt, stride_qh, G, GP, D)
         m = tl.full([GP], float("-inf"), tl.float32)
         denom = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        kbase = K + g * stride_kh
-        vbase = V + g * stride_kh
         for start in range(0, ctx, BLOCK_N):
-            n = start + offs_n
-            nmask = n < ctx
-            blk = tl.load(BT + row * stride_bt + n // BS, mask=nmask, other=0)
-            slot = blk.to(tl.int64) * BS + n % BS
-            k = tl.load(kbase + slot[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            slot, nmask = _tile_slots(BT, row, stride_bt, start, ctx, BS, BLOCK_N)
+            kv = g * stride_kh + slot[:, None] * D + offs_d[None, :]
+            k = tl.load(K + kv, mask=nmask[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale          # [GP, BLOCK_N] fp32
-            s = tl.where(nmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            denom = denom * alpha + tl.sum(p, axis=1)
-            v = tl.load(vbase + slot[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            p, alpha, m, denom = _softmax_step(s, nmask, m, denom)
+            v = tl.load(V + kv, mask=nmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m = m_new
         out = acc / denom[:, None]
         tl.store(O + t * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=gmask[:, None])
+
 
 def available() -> bool:
     return triton is not None

@@ -73,6 +73,35 @@ def test_paged_kernel_reproduces_transformers_in_triton_interpreter():
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
+@pytest.mark.parametrize("use_dot", [True, False])
+def test_both_paged_attention_kernels_match_the_reference_in_the_triton_interpreter(use_dot):
+    """The tensor-core kernel and its multiply-add fallback (shared helpers: query load, block-table walk,
+    online softmax) against the plain-torch reference, fp32, on CPU tensors through Triton's interpreter."""
+    pytest.importorskip("triton")
+    script = textwrap.dedent(f"""
+        import random, torch
+        from python_backends.engine import paged_attention as pa
+        pa._use_dot = {use_dot}
+        torch.manual_seed(0)
+        KV, H, D, bs, nb = 2, 6, 16, 4, 40
+        k, v = torch.randn(KV, nb * bs, D), torch.randn(KV, nb * bs, D)
+        rng = random.Random(0)
+        tables = torch.tensor([rng.sample(range(1, nb), 10) for _ in range(3)])
+        tok_seq, pos = torch.tensor([0, 1, 1, 2]), torch.tensor([0, 9, 10, 37])
+        q = torch.randn(4, H, D)
+        got = pa.paged_attention(q, k, v, tables, tok_seq, pos, bs)
+        ref = pa.reference_attention(q, k, v, tables, tok_seq, pos, bs)
+        assert pa._use_dot == {use_dot}, "the kernel under test failed and fell back"
+        err = float(torch.linalg.norm(got - ref) / torch.linalg.norm(ref))
+        assert err < 1e-5, err
+        print("OK", err)
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    r = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
 def test_cpu_bf16_detection_reads_the_flags(tmp_path):
     without = tmp_path / "cpuinfo"
     without.write_text("flags\t: fpu sse2 avx2 avx512f\n")

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from common.processes import free_port_block, wait_until
+from common.processes import throwaway_platform_env, wait_until
 from common.settings import REPO_ROOT
 
 
@@ -97,12 +97,5 @@ def wait_replicas_serving(http_url: str, admin_token: str, replica_ids: list[str
 
 
 def platform_env(data_dir: Path) -> dict[str, str]:
-    base = free_port_block(40)
-    env = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
-    env.update(FLEET_DATA_DIR=str(data_dir), FLEET_ROUTER_HTTP_PORT=str(base), FLEET_ROUTER_GRPC_PORT=str(base + 1),
-               FLEET_ADMIN_UI_PORT=str(base + 2), FLEET_KAFKA_PORT=str(base + 3),
-               FLEET_ROUTER_INTERNAL_PORT=str(base + 4),
-               FLEET_REPLICA_BASE_PORT=str(base + 10),
-               FLEET_METRICS_SCRAPE_S="2",  # the Fleet history fills within seconds
-               FLEET_AUTOSCALER="off")  # tests that kill or count replicas must not race a live autoscaler
-    return env
+    # autoscaler off (in throwaway_platform_env): tests that kill or count replicas must not race it
+    return {**throwaway_platform_env(data_dir), "FLEET_METRICS_SCRAPE_S": "2"}  # the Fleet history fills within seconds
