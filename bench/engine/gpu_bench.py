@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # runnable as a script from a bare checkout
 
+from bench.engine.random_models import random_hf_llama  # noqa: E402
 from python_backends.engine.config import EngineConfig  # noqa: E402
 from python_backends.engine.engine import LLMEngine  # noqa: E402
 from python_backends.engine.sequence import SamplingParams  # noqa: E402
@@ -52,17 +53,8 @@ def sync(device: torch.device) -> None:
 
 
 def build_hf(name: str, dtype: torch.dtype, device: torch.device, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(**MODELS[name], max_position_embeddings=131072, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=0)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
-    model = model.to(dtype).eval()
-    model.generation_config.eos_token_id = None          # EOS ignored: every row runs to max_new_tokens
-    model.generation_config.pad_token_id = 0
-    return cfg, model
+    model = random_hf_llama(MODELS[name], device, dtype, seed, max_positions=131072)
+    return model.config, model
 
 
 def engine_for(model, tmp: Path, device: torch.device, dtype: str, max_seqs: int, max_context: int,

@@ -40,12 +40,20 @@ if triton is not None:
         return t, g, tl.load(SEQ + t), tl.load(POS + t) + 1, heads, gmask, offs_d, q
 
     @triton.jit
-    def _tile_slots(BT, row, stride_bt, start, ctx, BS: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Pool slots of keys start..start+BLOCK_N-1 of the sequence (through its block table) and their mask."""
+    def _empty_state(GP: tl.constexpr, D: tl.constexpr):
+        """Running max, softmax denominator and weighted sum of values, per query head of the group."""
+        return tl.full([GP], float("-inf"), tl.float32), tl.zeros([GP], tl.float32), tl.zeros([GP, D], tl.float32)
+
+    @triton.jit
+    def _tile_offsets(BT, row, stride_bt, start, ctx, head_offset, offs_d, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      D: tl.constexpr):
+        """Element offsets (in this layer's K or V) of keys start..start+BLOCK_N-1 of the sequence, found
+        through its block table, and their mask."""
         n = start + tl.arange(0, BLOCK_N)
         nmask = n < ctx
         blk = tl.load(BT + row * stride_bt + n // BS, mask=nmask, other=0)
-        return blk.to(tl.int64) * BS + n % BS, nmask
+        slot = blk.to(tl.int64) * BS + n % BS
+        return head_offset + slot[:, None] * D + offs_d[None, :], nmask
 
     @triton.jit
     def _softmax_step(s, nmask, m, denom):
@@ -63,12 +71,9 @@ if triton is not None:
                                 BLOCK_N: tl.constexpr):
         t, g, row, ctx, heads, gmask, offs_d, q = _load_queries(Q, SEQ, POS, stride_qt, stride_qh, G, GP, D)
         q = q.to(tl.float32) * scale
-        m = tl.full([GP], float("-inf"), tl.float32)
-        denom = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
+        m, denom, acc = _empty_state(GP, D)
         for start in range(0, ctx, BLOCK_N):
-            slot, nmask = _tile_slots(BT, row, stride_bt, start, ctx, BS, BLOCK_N)
-            kv = g * stride_kh + slot[:, None] * D + offs_d[None, :]
+            kv, nmask = _tile_offsets(BT, row, stride_bt, start, ctx, g * stride_kh, offs_d, BS, BLOCK_N, D)
             k = tl.load(K + kv, mask=nmask[:, None], other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                 # [GP, BLOCK_N]
             p, alpha, m, denom = _softmax_step(s, nmask, m, denom)
@@ -84,12 +89,9 @@ if triton is not None:
                                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                                     BLOCK_N: tl.constexpr, PREC: tl.constexpr):
         t, g, row, ctx, heads, gmask, offs_d, q = _load_queries(Q, SEQ, POS, stride_qt, stride_qh, G, GP, D)
-        m = tl.full([GP], float("-inf"), tl.float32)
-        denom = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
+        m, denom, acc = _empty_state(GP, D)
         for start in range(0, ctx, BLOCK_N):
-            slot, nmask = _tile_slots(BT, row, stride_bt, start, ctx, BS, BLOCK_N)
-            kv = g * stride_kh + slot[:, None] * D + offs_d[None, :]
+            kv, nmask = _tile_offsets(BT, row, stride_bt, start, ctx, g * stride_kh, offs_d, BS, BLOCK_N, D)
             k = tl.load(K + kv, mask=nmask[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale          # [GP, BLOCK_N] fp32
             p, alpha, m, denom = _softmax_step(s, nmask, m, denom)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from bench.engine.random_models import random_hf_llama
 from python_backends.engine.config import EngineConfig
 from python_backends.engine.engine import LLMEngine
 from python_backends.engine.sequence import SamplingParams
@@ -18,16 +19,7 @@ SMALL = dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=8, num_ke
 
 
 def hf_model(device: str, dtype=torch.float32, seed: int = 0, **over):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(**{**SMALL, **over}, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=0)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
-    model = model.to(dtype).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return random_hf_llama({**SMALL, **over}, device, dtype, seed)
 
 
 def engine_on(model, tmp: Path, device: str, dtype: str = "fp32", adapters_dir: str = "", **over) -> LLMEngine:
