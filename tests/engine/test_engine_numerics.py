@@ -102,6 +102,21 @@ def test_both_paged_attention_kernels_match_the_reference_in_the_triton_interpre
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
+@pytest.mark.parametrize("rows", [1, 7, 32, 200])
+def test_packed_cpu_linear_is_bit_identical_to_f_linear(rows):
+    """oneDNN-packed bf16 weights (device.PackedLinear) give exactly F.linear's products, for any row count
+    (the packing is laid out for 32 rows), and fp32 weights are left unpacked."""
+    from python_backends.engine.device import PackedLinear
+    torch.manual_seed(rows)
+    w = torch.randn(960, 576).to(torch.bfloat16)
+    packed = PackedLinear.pack(w)
+    if packed is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    assert torch.equal(packed(x), torch.nn.functional.linear(x, w))
+    assert PackedLinear.pack(w.float()) is None
+
+
 def test_cpu_bf16_detection_reads_the_flags(tmp_path):
     without = tmp_path / "cpuinfo"
     without.write_text("flags\t: fpu sse2 avx2 avx512f\n")
