@@ -71,7 +71,8 @@ def throwaway_platform_env(data_dir: Path) -> dict[str, str]:
     any other: tests and the platform benchmark. A caller's KAFKA_BOOTSTRAP_SERVERS is dropped (the
     platform starts its own broker); the autoscaler is off, so the replica count stays what the caller set."""
     base = free_port_block(40)
-    env = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
+    env = dict(os.environ)
+    env.pop("KAFKA_BOOTSTRAP_SERVERS", None)
     env.update(FLEET_DATA_DIR=str(data_dir), FLEET_ROUTER_HTTP_PORT=str(base), FLEET_ROUTER_GRPC_PORT=str(base + 1),
                FLEET_ADMIN_UI_PORT=str(base + 2), FLEET_KAFKA_PORT=str(base + 3),
                FLEET_ROUTER_INTERNAL_PORT=str(base + 4), FLEET_REPLICA_BASE_PORT=str(base + 10),
