@@ -24,6 +24,7 @@ from autoscale.policy import (ForecastPolicy, GpuUtilPolicy, Policy, PoolState, 
                               StaticPolicy)
 from autoscale.queueing import ttft_stats
 from autoscale.signals import Signals
+from autoscale.simulator.architecture import ARCHITECTURES, ArchitectureChoice, choose_architecture, daily_forecast
 from autoscale.simulator.batch import BatchQueue
 from autoscale.simulator.costs import UnitCost, unit_costs
 from autoscale.simulator.fleet import PoolFleet
@@ -34,6 +35,7 @@ from autoscale.simulator.workload import DAY_S, PoolTraffic, WorkloadModel
 log = logging.getLogger(__name__)
 BATCH_FILL_UTILISATION = 0.92  # batch fills serving replicas up to this busy fraction
 BATCH_HOLD_FRACTION = 0.5  # non-preemptive engines: share of admitted batch work still running next step
+PLANNER_STEP_S = 60.0  # resolution of the forecast day the architecture choice is planned on
 
 __all__ = ["SimInputs", "SimResult", "Unit", "prepare", "run_simulation", "simulate"]
 
@@ -64,10 +66,37 @@ class SimInputs:
     history_end_s: float
     forecasters: list[LoadForecaster] | None = None
     costs: dict[str, list[list[UnitCost]]] | None = None  # architecture -> per pair -> units
+    choices: list[ArchitectureChoice] | None = None  # per pair: ours' architecture (from the capacity model)
 
-    def units(self, architecture: str) -> list[Unit]:
+    def architectures(self, policy: str) -> list[str]:
+        """Per (region, model) pair: how the policy serves it (ours: its per-pool choice)."""
+        pairs = len(self.settings.pools())
+        if policy == "disaggregated":
+            return ["disaggregated"] * pairs
+        if policy == "ours":
+            forced = self.settings.ours_architecture
+            return [forced] * pairs if forced != "auto" else [c.architecture for c in self.choices]
+        return ["colocated"] * pairs
+
+    def units(self, policy: str) -> list[Unit]:
+        archs = self.architectures(policy)
         return [Unit(k, region, model, cost) for k, (region, model) in enumerate(self.settings.pools())
-                for cost in self.costs[architecture][k]]
+                for cost in self.costs[archs[k]][k]]
+
+    def choose_architectures(self) -> None:
+        """Ours' per-pool choice, planned on the forecast of the measured day (else the smooth curve)."""
+        s, m = self.settings, self.measure_from
+        every = max(1, int(round(PLANNER_STEP_S / s.step_s)))
+        self.choices = []
+        for k, (_, model) in enumerate(s.pools()):
+            tr = self.traffic[k]
+            forecaster = self.forecasters[k] if self.forecasters else None
+            profile = daily_forecast(forecaster, float(self.t_s[m] - self.history_end_s), every * s.step_s,
+                                     tr.smooth_requests_per_s[m::every])
+            batch = float(tr.batch_submitted_per_s[m:].sum() * s.step_s)
+            self.choices.append(choose_architecture({a: self.costs[a][k] for a in ARCHITECTURES}, model, profile,
+                                                    every * s.step_s, batch, self.workload.prompts,
+                                                    s.workload.output_tokens_mean, s.serving))
 
 
 def prepare(settings: SimSettings, with_forecast: bool = True) -> SimInputs:
@@ -91,6 +120,7 @@ def prepare(settings: SimSettings, with_forecast: bool = True) -> SimInputs:
             hist = wl.hourly_history(region, model.traffic_share, start, settings.history_weeks, settings.seed * 1000 + 500 + i)
             horizon = int(math.ceil((t[-1] - start) / 3600.0)) + 12
             inputs.forecasters.append(LoadForecaster().fit(hist, horizon_h=horizon))
+    inputs.choose_architectures()
     return inputs
 
 
@@ -131,7 +161,7 @@ def run_simulation(policy: str, settings: SimSettings, inputs: SimInputs | None 
     if tier_aware and inputs.forecasters is None:
         raise ValueError(f"the {policy!r} policy needs inputs prepared with_forecast=True")
     s, wl, sv = settings, settings.workload, settings.serving
-    units = inputs.units("disaggregated" if policy == "disaggregated" else "colocated")
+    units = inputs.units(policy)
     U, dt, t = len(units), s.step_s, inputs.t_s
     pair = np.array([u.pair for u in units])
     prompts = inputs.workload.prompts

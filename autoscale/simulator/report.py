@@ -39,6 +39,14 @@ def sizing_derivation(settings: SimSettings, inputs: SimInputs | None = None) ->
             "models": rows, "total_gpus": sizing.total_gpus}
 
 
+def architecture_choices(settings: SimSettings, inputs: SimInputs | None) -> list[dict]:
+    """Ours' per-pool choice and the planned cost / design-point SLO of both candidates."""
+    if inputs is None or inputs.choices is None:
+        return []
+    return [{"region": region.name, "model": model.name} | choice.as_dict()
+            for (region, model), choice in zip(settings.pools(), inputs.choices)]
+
+
 def results_json(results: dict[str, SimResult], settings: SimSettings, wall_s: float,
                  inputs: SimInputs | None = None) -> dict:
     return {
@@ -51,6 +59,7 @@ def results_json(results: dict[str, SimResult], settings: SimSettings, wall_s: f
                 "reuse_override": settings.reuse_override},
         "assumptions": settings.assumptions,
         "peak_sizing": sizing_derivation(settings, inputs),
+        "ours_architecture_choice": architecture_choices(settings, inputs),
         "policies": {name: {"summary": r.summary, "pools": r.pools,
                             "hourly": r.hourly.round(4).to_dict(orient="records")} for name, r in results.items()},
     }

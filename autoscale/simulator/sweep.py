@@ -34,7 +34,9 @@ def _with_reuse(settings: SimSettings, inputs: SimInputs, level: float) -> tuple
                                sv.sizing_target_utilisation, sv.stream_tokens_per_s)
                     for (_, model), tr in zip(s.pools(), inputs.traffic)]
              for arch in ("colocated", "disaggregated")}
-    return s, dataclasses.replace(inputs, settings=s, costs=costs)
+    swept = dataclasses.replace(inputs, settings=s, costs=costs)
+    swept.choose_architectures()  # ours re-decides per pool at this reuse level
+    return s, swept
 
 
 def reuse_sweep(settings: SimSettings, policies: list[str], levels: tuple[float, ...] = DEFAULT_LEVELS,
