@@ -22,7 +22,7 @@ from autoscale.forecast import LoadForecaster
 from autoscale.placement import Cluster
 from autoscale.policy import (ForecastPolicy, GpuUtilPolicy, Policy, PoolState, ScalingGuard, SignalsPolicy,
                               StaticPolicy)
-from autoscale.queueing import ttft_stats
+from autoscale.queueing import TtftModel
 from autoscale.signals import Signals
 from autoscale.simulator.architecture import ARCHITECTURES, ArchitectureChoice, choose_architecture, daily_forecast
 from autoscale.simulator.batch import BatchQueue
@@ -180,6 +180,9 @@ def run_simulation(policy: str, settings: SimSettings, inputs: SimInputs | None 
                    if u.role == "prefill" else None for u in units]
     twins = _twins(units) if tier_aware and sv.batch_overflow else [None] * U
     tok_per_req = prompts.mean + wl.output_tokens_mean
+    ttft = TtftModel(prompts.tokens, prompts.prob, slo_mask, wl.output_tokens_mean, prefill, decode, np.ones(U),
+                     sv.router_choice_width, interference, sv.iteration_s, sv.slo_ttft_s,
+                     [(std_mask, sv.standard_slo_ttft_s)])
     rng = np.random.default_rng(s.seed + 99)
     cluster = Cluster({r.name: (r.nodes, r.gpus_per_node) for r in s.regions})
     fleets = [PoolFleet(u.region.name, u.model, cluster, rng, sv.drain_s) for u in units]
@@ -223,9 +226,7 @@ def run_simulation(policy: str, settings: SimSettings, inputs: SimInputs | None 
         for k, j in enumerate(decode_twin):  # a disaggregated request also waits for a decode slot
             if j is not None:
                 extra[k] += backlog[j] / max(serving[j], 1.0)
-        q = ttft_stats(lam_fg, fg_capacity, backlog, prompts.tokens, prompts.prob, slo_mask, wl.output_tokens_mean,
-                       prefill, decode, np.ones(U), sv.router_choice_width, interference, sv.iteration_s,
-                       sv.slo_ttft_s, extra, [(std_mask, sv.standard_slo_ttft_s)])
+        q = ttft.step(lam_fg, fg_capacity, backlog, extra)
         demand = lam_fg * w * dt + backlog
         done = np.minimum(fg_capacity * dt, demand)
         backlog = demand - done
