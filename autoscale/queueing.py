@@ -67,6 +67,8 @@ class TtftModel:
         # (normalised bin weights, SLO) for the interactive SLO first, then each extra one
         self.slos = [(w / w.sum(), slo) for w, slo in [(prob * slo_mask, slo_s)] + [(prob * m, t) for m, t in extra_slos]]
         self.rows = np.arange(len(self.mean_service0))
+        self.p95_bins = np.flatnonzero(self.slos[0][0] > 0)  # only the interactive SLO's bins enter its p95
+        self.p95_weights = self.slos[0][0][self.p95_bins]
 
     def step(self, arrivals_per_s: np.ndarray, serving: np.ndarray, backlog_s: np.ndarray,
              extra_latency_s: np.ndarray) -> QueueResult:
@@ -93,9 +95,9 @@ class TtftModel:
             ok = np.where(slack >= 0, 1.0 - p_col * np.exp(-theta_col * np.maximum(slack, 0)), 0.0)
             attainments.append(np.where(no_capacity, 0.0, ok @ weights))
         # p95 of TTFT over the interactive SLO's prompt bins, on a grid (log-linear interpolation).
-        gap = _P95_GRID[None, None, :] - base[:, :, None]
+        gap = _P95_GRID[None, None, :] - base[:, self.p95_bins, None]
         cdf = np.where(gap >= 0, 1.0 - p_col[:, :, None] * np.exp(-theta_col[:, :, None] * np.maximum(gap, 0)), 0.0)
-        cdf_all = np.einsum("kbt,b->kt", cdf, self.slos[0][0])  # [K, T]
+        cdf_all = np.einsum("kbt,b->kt", cdf, self.p95_weights)  # [K, T]
         idx = np.clip((cdf_all < 0.95).sum(axis=1), 1, len(_P95_GRID) - 1)  # first grid point with cdf >= 0.95
         lo_c, hi_c = cdf_all[self.rows, idx - 1], cdf_all[self.rows, idx]
         frac = np.clip((0.95 - lo_c) / np.maximum(hi_c - lo_c, 1e-12), 0.0, 1.0)
