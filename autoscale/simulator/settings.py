@@ -84,7 +84,7 @@ class SimSettings:
 
     @property
     def models(self) -> list[ModelProfile]:
-        return [ModelProfile.from_dict(m) for m in self.assumptions["models"]]
+        return [ModelProfile.from_dict(m, self.assumptions.get("gpu")) for m in self.assumptions["models"]]
 
     @property
     def regions(self) -> list[Region]:

@@ -18,8 +18,8 @@ def test_defaults_are_the_requirements_numbers() -> None:
     large, small = s.models
     assert (large.gpus_per_replica, large.prefill_tokens_per_s, large.decode_tokens_per_s) == (4, 15000, 2500)
     assert (small.gpus_per_replica, small.prefill_tokens_per_s, small.decode_tokens_per_s) == (1, 30000, 4000)
-    assert small.traffic_share == 0.7 and small.adapters == 50
-    assert all(m.gpu_memory_gb == 80 for m in s.models)
+    assert small.traffic_share == 0.7 and small.lora.adapters == 50
+    assert all(m.gpu.memory_gb == 80 for m in s.models)
     assert all(120 <= c <= 300 for m in s.models for c in m.cold_start_s)
     assert sum(r.nodes * r.gpus_per_node for r in s.regions) == 1536 and {r.gpus_per_node for r in s.regions} == {8}
     wl, sv = s.workload, s.serving
