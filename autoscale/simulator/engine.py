@@ -28,7 +28,7 @@ from autoscale.simulator.architecture import ARCHITECTURES, ArchitectureChoice, 
 from autoscale.simulator.batch import BatchQueue
 from autoscale.simulator.costs import UnitCost, unit_costs
 from autoscale.simulator.fleet import PoolFleet
-from autoscale.simulator.settings import POLICIES, TIER_AWARE, Region, SimSettings
+from autoscale.simulator.settings import OURS_ARCHITECTURES, POLICIES, TIER_AWARE, Region, SimSettings
 from autoscale.simulator.summary import SimResult, summarise
 from autoscale.simulator.workload import DAY_S, PoolTraffic, WorkloadModel
 
@@ -75,6 +75,8 @@ class SimInputs:
             return ["disaggregated"] * pairs
         if policy == "ours":
             forced = self.settings.ours_architecture
+            if forced not in OURS_ARCHITECTURES:
+                raise ValueError(f"ours_architecture {forced!r}: choose from {OURS_ARCHITECTURES}")
             return [forced] * pairs if forced != "auto" else [c.architecture for c in self.choices]
         return ["colocated"] * pairs
 
