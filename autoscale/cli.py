@@ -43,8 +43,10 @@ def register(subparsers) -> None:
     sim.add_argument("--reuse", type=float, default=None,
                      help="fix the interactive/standard prefix reuse (0..0.95) instead of the workload model's")
     sim.add_argument("--reuse-sweep", type=float, nargs="*", default=None, metavar="LEVEL",
-                     help="also rerun ours + disaggregated at these reuse levels (default 0 .2 .4 .5 .6 .8); "
-                          "writes <out>-reuse-sweep.json and docs/img/autoscale-reuse-sweep.png")
+                     help="also run ours with every pool colocated (the reference for its per-pool choice), then "
+                          "rerun ours, ours-colocated and disaggregated at these reuse levels (default 0 .2 .4 "
+                          ".5 .6 .8); writes <out>-reuse-sweep.json and docs/img/autoscale-{reuse-sweep,"
+                          "disaggregated}.png")
     sim.add_argument("--ours-architecture", choices=OURS_ARCHITECTURES, default="auto",
                      help="how ours serves each (region, model) pool: auto (default) = per pool, colocated or "
                           "split prefill/decode pools, whichever the capacity model plans to need fewer "
@@ -131,20 +133,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     write_json(payload, args.out)
     if not args.no_plots:
         plot_pngs(results, args.img_dir)
-        if {"ours", "disaggregated"} <= set(results):
-            from autoscale.simulator.sweep import plot_disaggregated
-
-            plot_disaggregated(results, args.img_dir / "autoscale-disaggregated.png")
     if args.reuse_sweep is not None:
-        from autoscale.simulator.sweep import DEFAULT_LEVELS, plot_reuse_sweep, reuse_sweep
+        from autoscale.simulator.sweep import DEFAULT_LEVELS, sweep_and_compare
 
-        levels = tuple(args.reuse_sweep) or DEFAULT_LEVELS
-        rows = reuse_sweep(settings, [p for p in ("ours", "disaggregated") if p in policies] or ["ours"], levels,
-                           inputs if inputs.forecasters is not None else None)
-        write_json({"benchmark": "autoscale-reuse-sweep", "levels": list(levels), "rows": rows},
-                   args.out.with_name(args.out.stem + "-reuse-sweep.json"))
-        if not args.no_plots:
-            plot_reuse_sweep(rows, args.img_dir / "autoscale-reuse-sweep.png")
+        sweep_and_compare(settings, inputs, results, tuple(args.reuse_sweep) or DEFAULT_LEVELS,
+                          args.out.with_name(args.out.stem + "-reuse-sweep.json"),
+                          None if args.no_plots else args.img_dir)
     table = Table(title=f"{args.hours:.0f} h simulated in {wall:.1f} s, {payload['run']['cpu_s']:.1f} s of CPU "
                         f"(seed {args.seed})")
     rows = summary_table(results)

@@ -14,7 +14,7 @@ from autoscale.simulator.summary import SimResult, requirements_sizing
 
 log = logging.getLogger(__name__)
 COLOURS = {"static": "#7f7f7f", "reactive-gpu-util": "#d62728", "reactive-signals": "#ff7f0e", "ours": "#2ca02c",
-           "disaggregated": "#1f77b4"}
+           "disaggregated": "#1f77b4", "ours-colocated": "#9467bd"}
 
 
 def sizing_derivation(settings: SimSettings, inputs: SimInputs | None = None) -> dict:
