@@ -24,7 +24,8 @@ from autoscale.policy import (ForecastPolicy, GpuUtilPolicy, Policy, PoolState, 
                               StaticPolicy)
 from autoscale.queueing import TtftModel
 from autoscale.signals import Signals
-from autoscale.simulator.architecture import ARCHITECTURES, ArchitectureChoice, choose_architecture, daily_forecast
+from autoscale.simulator.architecture import (ARCHITECTURES, ArchitectureChoice, choose_architecture, daily_forecast,
+                                              planned_peak_gpus)
 from autoscale.simulator.batch import BatchQueue
 from autoscale.simulator.costs import UnitCost, unit_costs
 from autoscale.simulator.fleet import PoolFleet
@@ -89,16 +90,23 @@ class SimInputs:
         """Ours' per-pool choice, planned on the forecast of the measured day (else the smooth curve)."""
         s, m = self.settings, self.measure_from
         every = max(1, int(round(PLANNER_STEP_S / s.step_s)))
+        pools = s.pools()
+        profiles = [daily_forecast(self.forecasters[k] if self.forecasters else None,
+                                   float(self.t_s[m] - self.history_end_s), every * s.step_s,
+                                   self.traffic[k].smooth_requests_per_s[m::every]) for k in range(len(pools))]
+        fit = {}  # (region, architecture) -> share of the planned peak GPUs the region holds
+        for region in s.regions:
+            for arch in ARCHITECTURES:
+                peak = sum(planned_peak_gpus(self.costs[arch][k], model, float(profiles[k].max()), s.serving)
+                           for k, (r, model) in enumerate(pools) if r.name == region.name)
+                fit[region.name, arch] = region.nodes * region.gpus_per_node / max(peak, 1e-9)
         self.choices = []
-        for k, (_, model) in enumerate(s.pools()):
-            tr = self.traffic[k]
-            forecaster = self.forecasters[k] if self.forecasters else None
-            profile = daily_forecast(forecaster, float(self.t_s[m] - self.history_end_s), every * s.step_s,
-                                     tr.smooth_requests_per_s[m::every])
-            batch = float(tr.batch_submitted_per_s[m:].sum() * s.step_s)
-            self.choices.append(choose_architecture({a: self.costs[a][k] for a in ARCHITECTURES}, model, profile,
+        for k, (region, model) in enumerate(pools):
+            batch = float(self.traffic[k].batch_submitted_per_s[m:].sum() * s.step_s)
+            self.choices.append(choose_architecture({a: self.costs[a][k] for a in ARCHITECTURES}, model, profiles[k],
                                                     every * s.step_s, batch, self.workload.prompts,
-                                                    s.workload.output_tokens_mean, s.serving))
+                                                    s.workload.output_tokens_mean, s.serving,
+                                                    {a: fit[region.name, a] for a in ARCHITECTURES}))
 
 
 def prepare(settings: SimSettings, with_forecast: bool = True) -> SimInputs:

@@ -12,7 +12,10 @@ from autoscale.simulator.settings import SimSettings
 
 def _choices(**overrides):
     scale = overrides.pop("traffic_scale", 1.0)
+    nodes = overrides.pop("nodes_per_region", None)
     settings = SimSettings(step_s=60.0, **overrides)
+    for region in settings.assumptions["regions"]:
+        region["nodes"] = nodes or region["nodes"]
     workload = settings.assumptions["workload"]
     for key in ("requests_per_day", "peak_requests_per_s", "batch_requests_per_day"):
         workload[key] *= scale
@@ -45,12 +48,23 @@ def test_choice_is_per_model_pool() -> None:
 
 
 def test_a_split_that_misses_the_slo_at_the_design_point_is_not_chosen() -> None:
-    """Without prefix reuse the large model's prefill pool queues past the TTFT SLO at the peak: cheaper,
-    but not eligible."""
-    choice = _choices(reuse_override=0.0)[("region-a", "large-70b-fp8")]
+    """Without prefix reuse (and a fleet big enough for either plan) the large model's prefill pool queues
+    past the TTFT SLO at the peak: cheaper, but not eligible."""
+    choice = _choices(reuse_override=0.0, nodes_per_region=200)[("region-a", "large-70b-fp8")]
+    assert choice.fleet_fit == {"colocated": 1.0, "disaggregated": 1.0}
     assert choice.replica_seconds_per_request["disaggregated"] < choice.replica_seconds_per_request["colocated"]
     assert choice.design_point_slo["disaggregated"] < SLO_ATTAINMENT_REQUIRED <= choice.design_point_slo["colocated"]
     assert choice.architecture == "colocated"
+
+
+def test_a_plan_the_region_cannot_hold_does_not_hold_the_slo() -> None:
+    """On the requirements' 768 GPUs per region without reuse the colocated plan does not fit (the peak's
+    work exceeds what the region holds), the split one fits better: neither holds the SLO, the cheaper wins."""
+    choice = _choices(reuse_override=0.0)[("region-a", "large-70b-fp8")]
+    assert choice.fleet_fit["colocated"] < choice.fleet_fit["disaggregated"] < 1.0
+    assert choice.design_point_slo["colocated"] == 0.0
+    assert not any(choice.eligible.values())
+    assert choice.architecture == "disaggregated"
 
 
 @pytest.mark.parametrize("forced", ["colocated", "disaggregated"])
