@@ -129,7 +129,7 @@ def plot_pngs(results: dict[str, SimResult], out_dir: Path, prefix: str = "autos
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(label, fontsize=9)
         if key == "interactive_slo_attainment":
-            ax.set_ylim(min(vals) - 0.5, 100.05)
+            ax.set_ylim(min(vals) - 0.5, 100.5)  # room for the value labels under the title
         for i, v in enumerate(vals):
             ax.text(i, v, f"{v:,.2f}" if scale != 1 else f"{v:,.0f}", ha="center", va="bottom", fontsize=7)
     fig.suptitle("Policy comparison (same workload, one simulated day)")
