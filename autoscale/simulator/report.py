@@ -84,6 +84,11 @@ def save_figure(fig, path: Path) -> Path:
     return path
 
 
+def _ours_last(results: dict[str, SimResult]) -> list[tuple[str, SimResult]]:
+    """Policies in drawing order, ours last (dashed): where it coincides with a peer both stay visible."""
+    return sorted(results.items(), key=lambda item: item[0] == "ours")
+
+
 def plot_pngs(results: dict[str, SimResult], out_dir: Path, prefix: str = "autoscale") -> list[Path]:
     """Three PNGs: GPUs over the day, hourly utilisation, and the headline comparison."""
     import matplotlib
@@ -97,19 +102,21 @@ def plot_pngs(results: dict[str, SimResult], out_dir: Path, prefix: str = "autos
     any_result = next(iter(results.values()))
     ax.plot(any_result.timeline["t_h"], any_result.timeline["gpus_demand"], color="black", lw=1,
             label="interactive+standard work (busy GPUs)")
-    for name, r in results.items():
-        ax.plot(r.timeline["t_h"], r.timeline["gpus_allocated"], color=COLOURS.get(name), lw=1.5, label=f"{name}: allocated")
+    for name, r in _ours_last(results):
+        ax.plot(r.timeline["t_h"], r.timeline["gpus_allocated"], color=COLOURS.get(name), lw=1.5,
+                ls="--" if name == "ours" else "-", label=f"{name}: allocated")
     ax.set(xlabel="hour of the simulated day (UTC)", ylabel="GPUs", title="GPUs allocated per policy over one day")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="center left")
     paths.append(out_dir / f"{prefix}-gpus-timeline.png")
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(10, 4))
-    for name, r in results.items():
-        ax.plot(r.hourly["hour"], 100 * r.hourly["utilisation"], marker="o", ms=3, color=COLOURS.get(name), label=name)
+    for name, r in _ours_last(results):
+        ax.plot(r.hourly["hour"], 100 * r.hourly["utilisation"], marker="o", ms=3, color=COLOURS.get(name), label=name,
+                ls="--" if name == "ours" else "-")
     ax.axhline(60, color="grey", ls="--", lw=1, label="target > 60 % daily average")
     ax.set(xlabel="hour", ylabel="GPU utilisation (busy / allocated), %", ylim=(0, 100), title="Hourly GPU utilisation")
     ax.grid(alpha=0.3)
