@@ -25,6 +25,46 @@ HBM_EFFICIENCY = 0.8  # achievable share of the HBM bandwidth for a weight read
 
 
 @dataclass(frozen=True)
+class ModelShape:
+    """The model's architecture as far as memory goes: weights and KV bytes per token (GQA)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype_bytes: float
+    weights_gb: float
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """K and V for every layer and KV head, whatever the tensor-parallel split."""
+        return 2.0 * self.layers * self.kv_heads * self.head_dim * self.kv_dtype_bytes
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU of the fleet (assumptions.json "gpu"; the requirements' 80 GB parts)."""
+
+    memory_gb: float = 80.0
+    memory_utilisation: float = 0.9  # share of GPU memory the engine may use (weights + KV)
+    hbm_tb_per_s: float = 3.35
+    kv_link_gb_per_s: float = 25.0  # prefill -> decode KV transfer (disaggregated pools)
+
+
+@dataclass(frozen=True)
+class LoraMix:
+    """The adapters a pool serves and what mixing them into a batch costs (S-LoRA style kernels)."""
+
+    adapters: int = 0
+    traffic_share: float = 0.0  # share of the pool's requests that name an adapter
+    slowdown: float = 1.0  # step time of a batch with adapters over one without
+
+    @property
+    def compute_factor(self) -> float:
+        """Average slowdown of a batch that mixes base and LoRA requests."""
+        return 1.0 + self.traffic_share * (self.slowdown - 1.0)
+
+
+@dataclass(frozen=True)
 class ModelProfile:
     """Throughput, shape and start-up assumptions for one model pool (see simulator/assumptions.json)."""
 
@@ -34,48 +74,42 @@ class ModelProfile:
     prefill_tokens_per_s: float
     decode_tokens_per_s: float  # aggregate, at the batch where each stream just makes the speed target
     cold_start_s: tuple[float, float]
-    layers: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
-    kv_dtype_bytes: float = 2.0
-    weights_gb: float = 16.0
-    gpu_memory_gb: float = 80.0
-    memory_utilisation: float = 0.9  # share of GPU memory the engine may use (weights + KV)
-    hbm_tb_per_s: float = 3.35
+    shape: ModelShape
+    gpu: GpuSpec = field(default_factory=GpuSpec)
+    lora: LoraMix = field(default_factory=LoraMix)
     step_overhead_ms: float = 1.0  # launch / all-reduce time per decode step on top of the weight read
     decode_step_s: tuple[float, float] | None = None  # measured (s0, s1); None = derived as described above
-    kv_link_gb_per_s: float = 25.0  # per GPU, prefill -> decode KV transfer (disaggregated pools)
-    lora_traffic_share: float = 0.0
-    lora_slowdown: float = 1.0
-    adapters: int = 0
     min_idle_replicas: int = 0
     calibration: dict = field(default_factory=dict, compare=False)
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "ModelProfile":
+    def from_dict(cls, raw: dict, gpu: dict | None = None) -> "ModelProfile":
+        """From an assumptions.json model entry; `gpu` is the fleet's GPU entry (the model's own wins)."""
         fields = {k: v for k, v in raw.items() if k in cls.__dataclass_fields__}
         fields["cold_start_s"] = tuple(fields["cold_start_s"])
+        fields["shape"] = ModelShape(**raw["shape"])
+        fields["gpu"] = GpuSpec(**(raw.get("gpu") or gpu or {}))
+        fields["lora"] = LoraMix(**(raw.get("lora") or {}))
         if fields.get("decode_step_s") is not None:
             fields["decode_step_s"] = tuple(fields["decode_step_s"])
         return cls(**fields)
 
     @property
     def compute_factor(self) -> float:
-        """Average slowdown of a batch that mixes base and LoRA requests (S-LoRA style kernels)."""
-        return 1.0 + self.lora_traffic_share * (self.lora_slowdown - 1.0)
+        return self.lora.compute_factor
 
     @property
     def kv_bytes_per_token(self) -> float:
-        """K and V for every layer and KV head (GQA), whatever the tensor-parallel split."""
-        return 2.0 * self.layers * self.kv_heads * self.head_dim * self.kv_dtype_bytes
+        return self.shape.kv_bytes_per_token
 
     @property
     def kv_capacity_tokens(self) -> float:
         """Tokens of KV cache one replica holds: usable memory minus the weights."""
-        free_gb = self.gpus_per_replica * self.gpu_memory_gb * self.memory_utilisation - self.weights_gb
+        gpu, weights_gb = self.gpu, self.shape.weights_gb
+        free_gb = self.gpus_per_replica * gpu.memory_gb * gpu.memory_utilisation - weights_gb
         if free_gb <= 0:
-            raise ValueError(f"{self.name}: {self.weights_gb} GB of weights do not fit {self.gpus_per_replica} x "
-                             f"{self.gpu_memory_gb} GB at {self.memory_utilisation:.0%} memory use")
+            raise ValueError(f"{self.name}: {weights_gb} GB of weights do not fit {self.gpus_per_replica} x "
+                             f"{gpu.memory_gb} GB at {gpu.memory_utilisation:.0%} memory use")
         return free_gb * 1e9 / self.kv_bytes_per_token
 
     def step_curve(self, target_tokens_per_s: float) -> tuple[float, float]:
@@ -83,18 +117,19 @@ class ModelProfile:
         if self.decode_step_s is not None:
             s0, s1 = self.decode_step_s
         else:
-            s0 = (self.weights_gb / self.gpus_per_replica) / (self.hbm_tb_per_s * 1e3 * HBM_EFFICIENCY) \
+            s0 = (self.shape.weights_gb / self.gpus_per_replica) / (self.gpu.hbm_tb_per_s * 1e3 * HBM_EFFICIENCY) \
                 + self.step_overhead_ms / 1e3
             b_star = self.decode_tokens_per_s / target_tokens_per_s
             s1 = (1.0 / target_tokens_per_s - s0) / b_star
             if s1 <= 0:
                 raise ValueError(f"{self.name}: a {s0 * 1e3:.1f} ms fixed step cannot give {target_tokens_per_s} "
-                                 "tokens/s per stream; check weights_gb / hbm_tb_per_s / decode_tokens_per_s")
+                                 "tokens/s per stream; check shape.weights_gb / gpu.hbm_tb_per_s / "
+                                 "decode_tokens_per_s")
         return s0 * self.compute_factor, s1 * self.compute_factor
 
     def kv_transfer_s(self, context_tokens: float) -> float:
         """Time to move one request's KV from a prefill to a decode replica over the GPUs' links."""
-        return context_tokens * self.kv_bytes_per_token / (self.kv_link_gb_per_s * 1e9 * self.gpus_per_replica)
+        return context_tokens * self.kv_bytes_per_token / (self.gpu.kv_link_gb_per_s * 1e9 * self.gpus_per_replica)
 
     def capacity(self, uncached_prompt: float, context: float, output: float, target_tokens_per_s: float,
                  role: str = "colocated") -> "Capacity":
@@ -104,7 +139,7 @@ class ModelProfile:
         v, cf = target_tokens_per_s, self.compute_factor
         prefill_s = uncached_prompt / self.prefill_tokens_per_s * cf  # replica-s of prefill per request
         if role == "prefill":  # compute-bound, unless the links cannot ship the KV as fast
-            link = self.kv_link_gb_per_s * 1e9 * self.gpus_per_replica / (context * self.kv_bytes_per_token)
+            link = self.gpu.kv_link_gb_per_s * 1e9 * self.gpus_per_replica / (context * self.kv_bytes_per_token)
             compute = 1.0 / max(prefill_s, 1e-9)
             return Capacity(min(compute, link), v, "prefill" if compute <= link else "kv-link", prefill_s)
         s0, s1 = self.step_curve(v)

@@ -19,12 +19,14 @@ log = logging.getLogger("autoscale")
 
 def register(subparsers) -> None:
     """Add `simulate` and `autoscale run` to the `fleet` CLI."""
-    from autoscale.simulator.settings import POLICIES
+    from autoscale.simulator.settings import OURS_ARCHITECTURES, POLICIES
 
     sim = subparsers.add_parser("simulate", help="compare autoscaling policies on the simulated GPU fleet",
                                 description="Fluid simulation of the two-region GPU fleet over a day on the requirements' "
-                                            "numbers; compares static, reactive-gpu-util, reactive-signals, ours and "
-                                            "ours on disaggregated prefill/decode pools. Writes JSON + PNGs.")
+                                            "numbers; compares static, reactive-gpu-util, reactive-signals, ours (forecast + "
+                                            "warm buffer + tier-aware batch; colocated or split prefill/decode "
+                                            "per pool) and disaggregated (ours' scaling, every pool split). "
+                                            "Writes JSON + PNGs.")
     sim.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated subset of {','.join(POLICIES)}")
     sim.add_argument("--hours", type=float, default=24.0, help="measured horizon in hours (default 24)")
     sim.add_argument("--warmup-hours", type=float, default=15.0, help="simulated before the measured window (default 15)")
@@ -41,8 +43,16 @@ def register(subparsers) -> None:
     sim.add_argument("--reuse", type=float, default=None,
                      help="fix the interactive/standard prefix reuse (0..0.95) instead of the workload model's")
     sim.add_argument("--reuse-sweep", type=float, nargs="*", default=None, metavar="LEVEL",
-                     help="also rerun ours + disaggregated at these reuse levels (default 0 .2 .4 .5 .6 .8); "
-                          "writes <out>-reuse-sweep.json and docs/img/autoscale-reuse-sweep.png")
+                     help="also run ours with every pool colocated (the reference for its per-pool choice), then "
+                          "rerun ours, ours-colocated and disaggregated at these reuse levels (default 0 .2 .4 "
+                          ".5 .6 .8); writes <out>-reuse-sweep.json and docs/img/autoscale-{reuse-sweep,"
+                          "disaggregated}.png")
+    sim.add_argument("--ours-architecture", choices=OURS_ARCHITECTURES, default="auto",
+                     help="how ours serves each (region, model) pool: auto (default) = per pool, colocated or "
+                          "split prefill/decode pools, whichever the capacity model plans to need fewer "
+                          "replica-seconds per request while holding the TTFT SLO and the stream speed "
+                          "(the choice is in the JSON's ours_architecture_choice); colocated / disaggregated "
+                          "force one for every pool")
     sim.add_argument("--no-failure", action="store_true", help="no node failure at the peak")
     sim.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "autoscale-simulation.json",
                      help="JSON results path")
@@ -85,7 +95,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from autoscale.simulator.engine import prepare, run_simulation
     from autoscale.simulator.report import plot_pngs, results_json, summary_table, write_json
-    from autoscale.simulator.settings import POLICIES, SimSettings
+    from autoscale.simulator.settings import POLICIES, TIER_AWARE, SimSettings
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
@@ -95,7 +105,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise SystemExit(f"--reuse {args.reuse}: must be between 0 and 0.95 (share of prompt tokens from cache)")
     settings = SimSettings.from_file(args.assumptions, horizon_h=args.hours, warmup_h=args.warmup_hours,
                                      step_s=args.step_s, seed=args.seed, batch_enabled=not args.no_batch,
-                                     node_failure=not args.no_failure, reuse_override=args.reuse)
+                                     node_failure=not args.no_failure, reuse_override=args.reuse,
+                                     ours_architecture=args.ours_architecture)
     if args.calibrate is not None:
         from autoscale.simulator.calibrate import calibrated_assumptions
 
@@ -108,7 +119,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     t0, cpu0 = time.monotonic(), time.process_time()
     log.info("preparing workload (%.0f M requests/day, %d pools) and forecasts", settings.workload.requests_per_day / 1e6,
              len(settings.pools()))
-    inputs = prepare(settings, with_forecast="ours" in policies)
+    inputs = prepare(settings, with_forecast=any(p in TIER_AWARE for p in policies))
     results = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   TimeElapsedColumn(), console=console, disable=args.no_progress) as progress:
@@ -122,20 +133,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     write_json(payload, args.out)
     if not args.no_plots:
         plot_pngs(results, args.img_dir)
-        if {"ours", "disaggregated"} <= set(results):
-            from autoscale.simulator.sweep import plot_disaggregated
-
-            plot_disaggregated(results, args.img_dir / "autoscale-disaggregated.png")
     if args.reuse_sweep is not None:
-        from autoscale.simulator.sweep import DEFAULT_LEVELS, plot_reuse_sweep, reuse_sweep
+        from autoscale.simulator.sweep import DEFAULT_LEVELS, sweep_and_compare
 
-        levels = tuple(args.reuse_sweep) or DEFAULT_LEVELS
-        rows = reuse_sweep(settings, [p for p in ("ours", "disaggregated") if p in policies] or ["ours"], levels,
-                           inputs if inputs.forecasters is not None else None)
-        write_json({"benchmark": "autoscale-reuse-sweep", "levels": list(levels), "rows": rows},
-                   args.out.with_name(args.out.stem + "-reuse-sweep.json"))
-        if not args.no_plots:
-            plot_reuse_sweep(rows, args.img_dir / "autoscale-reuse-sweep.png")
+        sweep_and_compare(settings, inputs, results, tuple(args.reuse_sweep) or DEFAULT_LEVELS,
+                          args.out.with_name(args.out.stem + "-reuse-sweep.json"),
+                          None if args.no_plots else args.img_dir)
     table = Table(title=f"{args.hours:.0f} h simulated in {wall:.1f} s, {payload['run']['cpu_s']:.1f} s of CPU "
                         f"(seed {args.seed})")
     rows = summary_table(results)

@@ -66,5 +66,5 @@ class LoadForecaster:
         if predicted <= 0:
             return
         alpha = 1.0 - 0.5 ** (dt_s / self.halflife_s)
-        ratio = float(np.clip(observed_per_s / predicted, 0.5, 2.0))
+        ratio = min(max(observed_per_s / predicted, 0.5), 2.0)
         self.correction += alpha * (ratio - self.correction)

@@ -46,14 +46,18 @@ class ScalingGuard:
     down_window_s: float = 300.0  # scale down only to the max desired over this window
     down_step_fraction: float = 0.05  # at most this fraction of the pool per down step...
     down_step_interval_s: float = 60.0  # ...per this interval
-    _history: deque = field(default_factory=deque, repr=False)
+    _history: deque = field(default_factory=deque, repr=False)  # (time, raw desired), values decreasing
     _last_up: float = -1e18
     _last_down: float = -1e18
 
     def apply(self, now_s: float, current: int, raw_desired: int) -> int:
         raw = max(self.min_replicas, min(self.max_replicas, raw_desired))
+        # Window maximum of the raw desires: a monotonic deque (values decreasing from the left), so the
+        # stable level is its first entry instead of a scan over the window every tick.
+        while self._history and self._history[-1][1] <= raw:
+            self._history.pop()
         self._history.append((now_s, raw))
-        while self._history and self._history[0][0] < now_s - self.down_window_s:
+        while self._history[0][0] < now_s - self.down_window_s:
             self._history.popleft()
         if raw > current:
             if now_s - self._last_up < self.up_cooldown_s:
@@ -61,7 +65,7 @@ class ScalingGuard:
             self._last_up = now_s
             return raw
         if raw < current:
-            stable = max(self._history, key=lambda item: item[1])[1]
+            stable = self._history[0][1]
             if stable >= current or now_s - self._last_up < self.down_cooldown_s:
                 return current
             if now_s - self._last_down < self.down_step_interval_s:

@@ -127,7 +127,7 @@ def calibrated_assumptions(assumptions: dict, path: Path, model_name: str | None
     out["models"] = []
     for raw in models:
         if raw["name"] == model_name:
-            m = apply_calibration(ModelProfile.from_dict(raw), cal, stream_target)
+            m = apply_calibration(ModelProfile.from_dict(raw, assumptions.get("gpu")), cal, stream_target)
             raw = {**raw, "prefill_tokens_per_s": m.prefill_tokens_per_s, "decode_tokens_per_s": m.decode_tokens_per_s,
                    "decode_step_s": list(m.decode_step_s), "calibration": m.calibration}
         out["models"].append(raw)

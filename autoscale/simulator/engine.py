@@ -22,18 +22,21 @@ from autoscale.forecast import LoadForecaster
 from autoscale.placement import Cluster
 from autoscale.policy import (ForecastPolicy, GpuUtilPolicy, Policy, PoolState, ScalingGuard, SignalsPolicy,
                               StaticPolicy)
-from autoscale.queueing import ttft_stats
+from autoscale.queueing import TtftModel
 from autoscale.signals import Signals
+from autoscale.simulator.architecture import (ARCHITECTURES, ArchitectureChoice, choose_architecture, daily_forecast,
+                                              planned_peak_gpus)
 from autoscale.simulator.batch import BatchQueue
 from autoscale.simulator.costs import UnitCost, unit_costs
 from autoscale.simulator.fleet import PoolFleet
-from autoscale.simulator.settings import POLICIES, TIER_AWARE, Region, SimSettings
+from autoscale.simulator.settings import OURS_ARCHITECTURES, POLICIES, TIER_AWARE, Region, SimSettings
 from autoscale.simulator.summary import SimResult, summarise
 from autoscale.simulator.workload import DAY_S, PoolTraffic, WorkloadModel
 
 log = logging.getLogger(__name__)
 BATCH_FILL_UTILISATION = 0.92  # batch fills serving replicas up to this busy fraction
 BATCH_HOLD_FRACTION = 0.5  # non-preemptive engines: share of admitted batch work still running next step
+PLANNER_STEP_S = 60.0  # resolution of the forecast day the architecture choice is planned on
 
 __all__ = ["SimInputs", "SimResult", "Unit", "prepare", "run_simulation", "simulate"]
 
@@ -64,10 +67,46 @@ class SimInputs:
     history_end_s: float
     forecasters: list[LoadForecaster] | None = None
     costs: dict[str, list[list[UnitCost]]] | None = None  # architecture -> per pair -> units
+    choices: list[ArchitectureChoice] | None = None  # per pair: ours' architecture (from the capacity model)
 
-    def units(self, architecture: str) -> list[Unit]:
+    def architectures(self, policy: str) -> list[str]:
+        """Per (region, model) pair: how the policy serves it (ours: its per-pool choice)."""
+        pairs = len(self.settings.pools())
+        if policy == "disaggregated":
+            return ["disaggregated"] * pairs
+        if policy == "ours":
+            forced = self.settings.ours_architecture
+            if forced not in OURS_ARCHITECTURES:
+                raise ValueError(f"ours_architecture {forced!r}: choose from {OURS_ARCHITECTURES}")
+            return [forced] * pairs if forced != "auto" else [c.architecture for c in self.choices]
+        return ["colocated"] * pairs
+
+    def units(self, policy: str) -> list[Unit]:
+        archs = self.architectures(policy)
         return [Unit(k, region, model, cost) for k, (region, model) in enumerate(self.settings.pools())
-                for cost in self.costs[architecture][k]]
+                for cost in self.costs[archs[k]][k]]
+
+    def choose_architectures(self) -> None:
+        """Ours' per-pool choice, planned on the forecast of the measured day (else the smooth curve)."""
+        s, m = self.settings, self.measure_from
+        every = max(1, int(round(PLANNER_STEP_S / s.step_s)))
+        pools = s.pools()
+        profiles = [daily_forecast(self.forecasters[k] if self.forecasters else None,
+                                   float(self.t_s[m] - self.history_end_s), every * s.step_s,
+                                   self.traffic[k].smooth_requests_per_s[m::every]) for k in range(len(pools))]
+        fit = {}  # (region, architecture) -> share of the planned peak GPUs the region holds
+        for region in s.regions:
+            for arch in ARCHITECTURES:
+                peak = sum(planned_peak_gpus(self.costs[arch][k], model, float(profiles[k].max()), s.serving)
+                           for k, (r, model) in enumerate(pools) if r.name == region.name)
+                fit[region.name, arch] = region.nodes * region.gpus_per_node / max(peak, 1e-9)
+        self.choices = []
+        for k, (region, model) in enumerate(pools):
+            batch = float(self.traffic[k].batch_submitted_per_s[m:].sum() * s.step_s)
+            self.choices.append(choose_architecture({a: self.costs[a][k] for a in ARCHITECTURES}, model, profiles[k],
+                                                    every * s.step_s, batch, self.workload.prompts,
+                                                    s.workload.output_tokens_mean, s.serving,
+                                                    {a: fit[region.name, a] for a in ARCHITECTURES}))
 
 
 def prepare(settings: SimSettings, with_forecast: bool = True) -> SimInputs:
@@ -91,6 +130,7 @@ def prepare(settings: SimSettings, with_forecast: bool = True) -> SimInputs:
             hist = wl.hourly_history(region, model.traffic_share, start, settings.history_weeks, settings.seed * 1000 + 500 + i)
             horizon = int(math.ceil((t[-1] - start) / 3600.0)) + 12
             inputs.forecasters.append(LoadForecaster().fit(hist, horizon_h=horizon))
+    inputs.choose_architectures()
     return inputs
 
 
@@ -131,7 +171,7 @@ def run_simulation(policy: str, settings: SimSettings, inputs: SimInputs | None 
     if tier_aware and inputs.forecasters is None:
         raise ValueError(f"the {policy!r} policy needs inputs prepared with_forecast=True")
     s, wl, sv = settings, settings.workload, settings.serving
-    units = inputs.units("disaggregated" if policy == "disaggregated" else "colocated")
+    units = inputs.units(policy)
     U, dt, t = len(units), s.step_s, inputs.t_s
     pair = np.array([u.pair for u in units])
     prompts = inputs.workload.prompts
@@ -150,6 +190,9 @@ def run_simulation(policy: str, settings: SimSettings, inputs: SimInputs | None 
                    if u.role == "prefill" else None for u in units]
     twins = _twins(units) if tier_aware and sv.batch_overflow else [None] * U
     tok_per_req = prompts.mean + wl.output_tokens_mean
+    ttft = TtftModel(prompts.tokens, prompts.prob, slo_mask, wl.output_tokens_mean, prefill, decode, np.ones(U),
+                     sv.router_choice_width, interference, sv.iteration_s, sv.slo_ttft_s,
+                     [(std_mask, sv.standard_slo_ttft_s)])
     rng = np.random.default_rng(s.seed + 99)
     cluster = Cluster({r.name: (r.nodes, r.gpus_per_node) for r in s.regions})
     fleets = [PoolFleet(u.region.name, u.model, cluster, rng, sv.drain_s) for u in units]
@@ -193,9 +236,7 @@ def run_simulation(policy: str, settings: SimSettings, inputs: SimInputs | None 
         for k, j in enumerate(decode_twin):  # a disaggregated request also waits for a decode slot
             if j is not None:
                 extra[k] += backlog[j] / max(serving[j], 1.0)
-        q = ttft_stats(lam_fg, fg_capacity, backlog, prompts.tokens, prompts.prob, slo_mask, wl.output_tokens_mean,
-                       prefill, decode, np.ones(U), sv.router_choice_width, interference, sv.iteration_s,
-                       sv.slo_ttft_s, extra, [(std_mask, sv.standard_slo_ttft_s)])
+        q = ttft.step(lam_fg, fg_capacity, backlog, extra)
         demand = lam_fg * w * dt + backlog
         done = np.minimum(fg_capacity * dt, demand)
         backlog = demand - done

@@ -14,7 +14,7 @@ from autoscale.simulator.summary import SimResult, requirements_sizing
 
 log = logging.getLogger(__name__)
 COLOURS = {"static": "#7f7f7f", "reactive-gpu-util": "#d62728", "reactive-signals": "#ff7f0e", "ours": "#2ca02c",
-           "disaggregated": "#1f77b4"}
+           "disaggregated": "#1f77b4", "ours-colocated": "#9467bd"}
 
 
 def sizing_derivation(settings: SimSettings, inputs: SimInputs | None = None) -> dict:
@@ -39,6 +39,14 @@ def sizing_derivation(settings: SimSettings, inputs: SimInputs | None = None) ->
             "models": rows, "total_gpus": sizing.total_gpus}
 
 
+def architecture_choices(settings: SimSettings, inputs: SimInputs | None) -> list[dict]:
+    """Ours' per-pool choice and the planned cost / design-point SLO of both candidates."""
+    if inputs is None or inputs.choices is None:
+        return []
+    return [{"region": region.name, "model": model.name} | choice.as_dict()
+            for (region, model), choice in zip(settings.pools(), inputs.choices)]
+
+
 def results_json(results: dict[str, SimResult], settings: SimSettings, wall_s: float,
                  inputs: SimInputs | None = None) -> dict:
     return {
@@ -51,6 +59,7 @@ def results_json(results: dict[str, SimResult], settings: SimSettings, wall_s: f
                 "reuse_override": settings.reuse_override},
         "assumptions": settings.assumptions,
         "peak_sizing": sizing_derivation(settings, inputs),
+        "ours_architecture_choice": architecture_choices(settings, inputs),
         "policies": {name: {"summary": r.summary, "pools": r.pools,
                             "hourly": r.hourly.round(4).to_dict(orient="records")} for name, r in results.items()},
     }
@@ -75,6 +84,11 @@ def save_figure(fig, path: Path) -> Path:
     return path
 
 
+def _ours_last(results: dict[str, SimResult]) -> list[tuple[str, SimResult]]:
+    """Policies in drawing order, ours last (dashed): where it coincides with a peer both stay visible."""
+    return sorted(results.items(), key=lambda item: item[0] == "ours")
+
+
 def plot_pngs(results: dict[str, SimResult], out_dir: Path, prefix: str = "autoscale") -> list[Path]:
     """Three PNGs: GPUs over the day, hourly utilisation, and the headline comparison."""
     import matplotlib
@@ -88,19 +102,21 @@ def plot_pngs(results: dict[str, SimResult], out_dir: Path, prefix: str = "autos
     any_result = next(iter(results.values()))
     ax.plot(any_result.timeline["t_h"], any_result.timeline["gpus_demand"], color="black", lw=1,
             label="interactive+standard work (busy GPUs)")
-    for name, r in results.items():
-        ax.plot(r.timeline["t_h"], r.timeline["gpus_allocated"], color=COLOURS.get(name), lw=1.5, label=f"{name}: allocated")
+    for name, r in _ours_last(results):
+        ax.plot(r.timeline["t_h"], r.timeline["gpus_allocated"], color=COLOURS.get(name), lw=1.5,
+                ls="--" if name == "ours" else "-", label=f"{name}: allocated")
     ax.set(xlabel="hour of the simulated day (UTC)", ylabel="GPUs", title="GPUs allocated per policy over one day")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="center left")
     paths.append(out_dir / f"{prefix}-gpus-timeline.png")
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(10, 4))
-    for name, r in results.items():
-        ax.plot(r.hourly["hour"], 100 * r.hourly["utilisation"], marker="o", ms=3, color=COLOURS.get(name), label=name)
+    for name, r in _ours_last(results):
+        ax.plot(r.hourly["hour"], 100 * r.hourly["utilisation"], marker="o", ms=3, color=COLOURS.get(name), label=name,
+                ls="--" if name == "ours" else "-")
     ax.axhline(60, color="grey", ls="--", lw=1, label="target > 60 % daily average")
     ax.set(xlabel="hour", ylabel="GPU utilisation (busy / allocated), %", ylim=(0, 100), title="Hourly GPU utilisation")
     ax.grid(alpha=0.3)
@@ -120,7 +136,7 @@ def plot_pngs(results: dict[str, SimResult], out_dir: Path, prefix: str = "autos
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(label, fontsize=9)
         if key == "interactive_slo_attainment":
-            ax.set_ylim(min(vals) - 0.5, 100.05)
+            ax.set_ylim(min(vals) - 0.5, 100.5)  # room for the value labels under the title
         for i, v in enumerate(vals):
             ax.text(i, v, f"{v:,.2f}" if scale != 1 else f"{v:,.0f}", ha="center", va="bottom", fontsize=7)
     fig.suptitle("Policy comparison (same workload, one simulated day)")

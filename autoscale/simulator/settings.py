@@ -11,6 +11,7 @@ from autoscale.simulator.prefix import PrefixWorkload
 DEFAULT_ASSUMPTIONS = Path(__file__).with_name("assumptions.json")
 POLICIES = ("static", "reactive-gpu-util", "reactive-signals", "ours", "disaggregated")
 TIER_AWARE = ("ours", "disaggregated")  # preempt batch, scale on interactive signals + batch deadlines
+OURS_ARCHITECTURES = ("auto", "colocated", "disaggregated")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class SimSettings:
     batch_enabled: bool = True
     node_failure: bool = True  # one node fails at the measured day's peak (assumptions "failure")
     reuse_override: float | None = None  # fixed interactive/standard prefix reuse (the sensitivity sweep)
+    ours_architecture: str = "auto"  # auto: ours chooses per pool (simulator/architecture.py); or force one
 
     @classmethod
     def from_file(cls, path: Path | None = None, **overrides) -> "SimSettings":
@@ -82,7 +84,7 @@ class SimSettings:
 
     @property
     def models(self) -> list[ModelProfile]:
-        return [ModelProfile.from_dict(m) for m in self.assumptions["models"]]
+        return [ModelProfile.from_dict(m, self.assumptions.get("gpu")) for m in self.assumptions["models"]]
 
     @property
     def regions(self) -> list[Region]:

@@ -39,6 +39,12 @@ def _pair_max(units, per_unit: np.ndarray) -> float:
     return sum(out.values())
 
 
+def _architecture(units) -> str:
+    """colocated, disaggregated, or mixed (ours: some pools split, some not)."""
+    kinds = {"colocated" if u.role == "colocated" else "disaggregated" for u in units}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
 def summarise(policy: str, s: SimSettings, inputs, units, rec: dict, fleets, queues, overflow_work: np.ndarray,
               failure: dict | None) -> SimResult:
     m, dt = inputs.measure_from, s.step_s
@@ -59,7 +65,9 @@ def summarise(policy: str, s: SimSettings, inputs, units, rec: dict, fleets, que
     due_4h = np.array([q.due_within(end, 4 * 3600.0) for q in queues]) / w_b
     summary = {
         "policy": policy,
-        "architecture": "disaggregated" if policy == "disaggregated" else "colocated",
+        "architecture": _architecture(units),
+        "pool_architectures": {f"{u.region.name}_{u.model.name}": "colocated" if u.role == "colocated" else "disaggregated"
+                               for u in units},
         "gpu_hours": gpu_hours,
         "daily_avg_utilisation": float(busy.sum() / alloc.sum()),
         "interactive_slo_attainment": float(met.sum() / inter.sum()),

@@ -4,7 +4,8 @@
                                                   #    + docs/img/autoscale-*.png
     python bench/autoscale/simulate.py --seeds 1 2 3   # + robustness over seeds -> bench/results/autoscale-seeds.json
 
-The main run is `fleet simulate --reuse-sweep` (all policies, then ours + disaggregated at 0-80 % reuse);
+The main run is `fleet simulate --reuse-sweep` (all policies; then ours with every pool colocated, the
+reference for its per-pool architecture choice; then ours, ours-colocated and disaggregated at 0-80 % reuse);
 then the same day without batch work, and with the small model calibrated from the two H200 measurements
 (autoscale/simulator/calibration/: transformers, and bench/autoscale/gpu_decode_curve.py's CUDA-graph step). The seed sweep reruns the whole comparison per seed.
 """

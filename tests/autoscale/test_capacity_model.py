@@ -88,7 +88,7 @@ def test_calibration_from_the_h200_measurement() -> None:
     s0, s1 = cal.fit()
     assert 0.06 < s0 < 0.075 and s1 > 0  # transformers: ~70 ms fixed step
     out = calibrated_assumptions(SimSettings().assumptions, H200, None, 40.0)
-    small = ModelProfile.from_dict(next(m for m in out["models"] if m["name"] == "small-8b-fp16"))
+    small = ModelProfile.from_dict(next(m for m in out["models"] if m["name"] == "small-8b-fp16"), out["gpu"])
     assert small.calibration["stream_target_reachable"] is False
     cap = small.capacity(1000, 2150, 300, 40.0)
     assert cap.bound == "unreachable-speed" and cap.stream_tokens_per_s < 40
