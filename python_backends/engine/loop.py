@@ -2,13 +2,15 @@
 
 Callers (Triton's `execute`, tests, benchmarks) only enqueue: `submit` puts the request in an inbox and
 returns at once. The loop thread drains the inbox, polls the sinks for cancellation (a cancelled request is
-aborted and its blocks freed in the same iteration), runs one engine step and delivers its outputs.
-Everything that touches engine state runs on this one thread, so the engine needs no locks; other threads
-(the state reporter) only read the snapshots this thread publishes via `on_tick`.
+aborted and its blocks freed in the same iteration), runs one engine step and hands its outputs to the
+Courier, whose thread sends them (in order) while the next step runs. Everything that touches engine state runs
+on the loop thread, so the engine needs no locks; other threads (the courier, the state reporter) only post
+to the inbox or read the snapshots this thread publishes via `on_tick`.
 """
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +40,40 @@ class CallbackSink:
         return self._cancelled()
 
 
+class Courier:
+    """Hands outputs to their sinks on a thread of its own, in order. A Triton response costs ~0.6 ms of IPC;
+    32 streams' responses sent from the loop thread added ~20 ms to every step, while from here they overlap
+    the next step's forward (torch releases the GIL). A send that fails is reported through `on_failure`."""
+
+    def __init__(self, on_failure: Callable[[StepOutput], None]):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._on_failure = on_failure
+        self._thread = threading.Thread(target=self._run, name="engine-courier", daemon=True)
+
+    def start(self) -> "Courier":
+        self._thread.start()
+        return self
+
+    def put(self, parcels: list[tuple[Sink, StepOutput]]) -> None:
+        if parcels:
+            self._queue.put(parcels)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Deliver what is queued, then end the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (parcels := self._queue.get()) is not None:
+            for sink, out in parcels:
+                try:
+                    sink.send(out)
+                except Exception:
+                    log.exception("sending a response failed (sequence %s)", out.seq.seq_id)
+                    if not out.finished:
+                        self._on_failure(out)
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_tick: Callable[[LLMEngine], None] | None = None,
                  tick_s: float = 0.2, cancel_poll_s: float = 0.1):
@@ -49,9 +85,11 @@ class EngineLoop:
         self._stop = False
         self._sinks: dict[int, tuple[Sequence, Sink]] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._courier = Courier(on_failure=lambda out: self._post("abort_seq", out.seq))
         self.error: BaseException | None = None
 
     def start(self) -> "EngineLoop":
+        self._courier.start()
         self._thread.start()
         return self
 
@@ -60,6 +98,12 @@ class EngineLoop:
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout)
+        self._courier.stop(timeout)
+
+    def _post(self, kind: str, payload: object) -> None:
+        with self._cv:
+            self._inbox.append((kind, payload, None))
+            self._cv.notify()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, priority: int = 1,
                deadline_ms: int = 0, lora_name: str = "", request_id: object = None) -> None:
@@ -121,6 +165,9 @@ class EngineLoop:
             for seq, _ in list(self._sinks.values()):
                 if seq.request_id == payload:
                     self.engine.abort(seq)
+        elif kind == "abort_seq":           # its response could not be sent (Courier)
+            if payload.seq_id in self._sinks:
+                self.engine.abort(payload)
         elif kind == "call":
             fn, box, done = payload
             try:
@@ -138,18 +185,15 @@ class EngineLoop:
                 self.engine.abort(seq)   # its final response goes out with the next step's outputs
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
+        parcels = []
         for out in outputs:
             entry = self._sinks.get(out.seq.seq_id)
             if entry is None:
                 continue
             if out.finished:
                 del self._sinks[out.seq.seq_id]
-            try:
-                entry[1].send(out)
-            except Exception:
-                log.exception("sending a response failed; aborting sequence %s", out.seq.seq_id)
-                if not out.finished:
-                    self.engine.abort(out.seq)
+            parcels.append((entry[1], out))
+        self._courier.put(parcels)
 
     def _fail_all(self, reason: FinishReason = FinishReason.ERROR) -> None:
         for seq, _ in list(self._sinks.values()):
