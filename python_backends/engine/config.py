@@ -31,6 +31,8 @@ class EngineConfig:
     max_loras: int = 8                  # adapters resident at once (LRU beyond)
     max_lora_rank: int = 16
     threads: int = 2                    # torch intra-op threads
+    small_step_threads: int = 1         # CPU: threads for steps of <= small_step_max_rows rows (0 = `threads`);
+    small_step_max_rows: int = 4        # see device.CpuThreads for why and the measurements
     fp32_matmul_min_tokens: int = -1    # bf16 on CPU: steps of >= this many rows use fp32 weight copies;
                                         # 0 = never, -1 = auto (16 unless the CPU has bf16 units)
     cuda_graphs: int = 1                # CUDA: replay decode steps from graphs captured per batch bucket

@@ -25,7 +25,7 @@ import torch
 from tokenizers import Tokenizer
 
 from python_backends.engine.config import EngineConfig
-from python_backends.engine.device import resolve_device
+from python_backends.engine.device import CpuThreads, resolve_device
 from python_backends.engine.kv_cache_manager import KVCacheManager
 from python_backends.engine.lora import FUSED, LoraManager
 from python_backends.engine.metrics import EngineStats
@@ -69,8 +69,8 @@ class LLMEngine:
         weights_dir then needs only config.json)."""
         self.config = config
         self.device = resolve_device(config.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.threads)
+        self.cpu_threads = CpuThreads(config.threads, config.small_step_threads, config.small_step_max_rows) \
+            if self.device.type == "cpu" else None
         weights = Path(config.weights_dir)
         tok = weights / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(tok)) if tok.exists() else None   # needed for stop strings only
@@ -209,6 +209,8 @@ class LLMEngine:
                 sampled.append(seq)
             if not item.is_decode:
                 prefill_tokens += item.num_tokens
+        if self.cpu_threads is not None:
+            self.cpu_threads.for_rows(sum(len(c.token_ids) for c in chunks))
         logits = self.runner.forward(self.runner.prepare(chunks))
         for item in scheduled:
             item.seq.num_computed += item.num_tokens

@@ -42,3 +42,15 @@ def test_courier_delivers_in_order_and_a_failed_send_aborts_only_its_sequence(ma
                    "the broken sequence aborted and every block released")
     finally:
         loop.stop()
+
+
+def test_few_row_steps_run_on_the_small_thread_count(make_engine):
+    import torch
+
+    from python_backends.engine.sequence import SamplingParams as P
+    eng = make_engine(threads=2, small_step_threads=1, small_step_max_rows=4)
+    eng.add_request(list(range(10, 40)), P(max_tokens=3, ignore_eos=True))
+    eng.step()                                   # a 30-token prefill: the full count
+    assert torch.get_num_threads() == 2
+    eng.step()                                   # one decode row: the small count
+    assert torch.get_num_threads() == 1
