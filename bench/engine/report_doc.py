@@ -59,11 +59,8 @@ def cpu_section(report: dict, command: str) -> str:
                         parts.append(f"{ours} TTFT p95 {o['ttft_ms_p95'] / p['ttft_ms_p95']:.2f}x {peer}")
             if o and conc == "1" and o.get("itl_ms_p50"):
                 parts.append(f"{ours} single-stream decode {1000 / o['itl_ms_p50']:.1f} tok/s (1 / ITL p50)")
-        e = report["systems"].get("engine", {}).get(key)
-        if not e:
-            notes.append(f"- {kind} c={conc}: " + ", ".join(parts))
-            continue
-        if kind == "poisson":
+        e = report["systems"].get("engine", {}).get(key) or {}
+        if e and kind == "poisson":
             parts.append(f"prefix cache saved {100 * e['prefix_saved_shared']:.0f} % of the shared-prompt requests' "
                          f"prefill ({100 * e['prefix_saved_all']:.0f} % of all prompt tokens)")
         if e.get("kv_overhead_max"):

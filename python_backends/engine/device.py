@@ -64,8 +64,7 @@ class PackedLinear:
     GEMMs for 1-32 rows on the CPUs we run. `pack` returns None where this torch build has no oneDNN linear;
     callers then keep the plain weight and F.linear."""
 
-    def __init__(self, weight: torch.Tensor, packed: torch.Tensor):
-        self.out_features, self.in_features = weight.shape
+    def __init__(self, packed: torch.Tensor):
         self.packed = packed
 
     @staticmethod
@@ -79,7 +78,7 @@ class PackedLinear:
         except (AttributeError, RuntimeError) as exc:       # op missing or unsupported on this CPU
             log.info("oneDNN weight packing unavailable (%s); plain F.linear", exc)
             return None
-        return PackedLinear(weight, packed)
+        return PackedLinear(packed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")

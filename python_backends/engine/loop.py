@@ -100,29 +100,23 @@ class EngineLoop:
         self._thread.join(timeout)
         self._courier.stop(timeout)
 
-    def _post(self, kind: str, payload: object) -> None:
+    def _post(self, kind: str, payload: object, sink: Sink | None = None) -> None:
         with self._cv:
-            self._inbox.append((kind, payload, None))
+            self._inbox.append((kind, payload, sink))
             self._cv.notify()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Sink, priority: int = 1,
                deadline_ms: int = 0, lora_name: str = "", request_id: object = None) -> None:
-        with self._cv:
-            self._inbox.append(("add", (prompt_ids, params, priority, deadline_ms, lora_name, request_id), sink))
-            self._cv.notify()
+        self._post("add", (prompt_ids, params, priority, deadline_ms, lora_name, request_id), sink)
 
     def abort(self, request_id: object) -> None:
-        with self._cv:
-            self._inbox.append(("abort", request_id, None))
-            self._cv.notify()
+        self._post("abort", request_id)
 
     def call(self, fn: Callable[[LLMEngine], object]) -> object:
         """Run fn(engine) on the loop thread and return its result (for consistent reads in tests)."""
         done = threading.Event()
         box: list = []
-        with self._cv:
-            self._inbox.append(("call", (fn, box, done), None))
-            self._cv.notify()
+        self._post("call", (fn, box, done))
         done.wait(60)
         return box[0] if box else None
 

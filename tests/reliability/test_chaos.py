@@ -19,14 +19,13 @@ from common.processes import free_port, stop_pid
 from common.services import start_tansu
 from common.settings import load_settings
 from tests.integration.router_client import CHATML, stream_once
-from tests.integration.router_stack import RouterStack
+from tests.reliability.conftest import INTER_TOKEN_S, mount_tmpfs, start_fault_stack
 from usage import store
 from usage.loader import UsageLoader
 
 pytestmark = pytest.mark.integration
 MODEL = "smollm2-135m"
 DEADLINE_S = 60.0
-INTER_TOKEN_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +35,10 @@ def chaos(tmp_path_factory):
     broker = start_tansu(load_settings(), port, root / "tansu.log")  # settings: only for the vendored binary
     spool = root / "data" / "spool"
     spool.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(spool)],
-                             capture_output=True).returncode == 0
+    mounted = mount_tmpfs(spool, "48m").returncode == 0
     stack = None
     try:
-        stack = RouterStack.start(root / "data", replicas=3, engine_env={"FLEET_ENGINE_DTYPE": "fp32"},
-                                  router_args=(), router_env={"KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{port}",
-                                                              "FLEET_ROUTER_INTER_TOKEN_TIMEOUT_S": str(INTER_TOKEN_S)})
+        stack = start_fault_stack(root / "data", router_args=(), KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{port}")
         loader = UsageLoader(f"127.0.0.1:{port}", root / "usage.duckdb", topic=stack.settings.usage_topic,
                              group_id="chaos-loader", dlq_topic=stack.settings.usage_dlq_topic)
         stop = threading.Event()

@@ -20,21 +20,17 @@ from tritonclient.grpc import InferInput, InferRequestedOutput
 
 from common.text import REPLACEMENT_CHAR, load_tokenizer
 from tests.integration.router_client import CHATML, build_inputs, stream_once
-from tests.integration.router_stack import RouterStack
+from tests.reliability.conftest import INTER_TOKEN_S, start_fault_stack
 
 pytestmark = pytest.mark.integration
 MODEL = "smollm2-135m"
-INTER_TOKEN_S = 3.0
 SLOW_READER_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = RouterStack.start(tmp_path_factory.mktemp("reliability"), replicas=3, engine_env={"FLEET_ENGINE_DTYPE": "fp32"},
-                          router_env={"FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S": "20",
-                                      "FLEET_ROUTER_INTER_TOKEN_TIMEOUT_S": str(INTER_TOKEN_S),
-                                      "FLEET_ROUTER_STREAM_QUEUE": "8",
-                                      "FLEET_ROUTER_SLOW_READER_TIMEOUT_S": str(SLOW_READER_S)})
+    s = start_fault_stack(tmp_path_factory.mktemp("reliability"), FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S="20",
+                          FLEET_ROUTER_STREAM_QUEUE="8", FLEET_ROUTER_SLOW_READER_TIMEOUT_S=str(SLOW_READER_S))
     yield s
     for rid in s.replica_ids:  # never leave a stopped process behind
         _cont(s, rid)
