@@ -27,12 +27,14 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+import torch
 
 from bench.engine.peers import Result, run_llama_server, run_triton, summarize
 from bench.engine.report_doc import cpu_section, replace_subsection
 from bench.engine.workload import Request, make_burst, make_workload
 from common.processes import free_port, stop_pid, throwaway_platform_env, wait_until
 from common.settings import REPO_ROOT, load_settings
+from python_backends.engine.device import cpu_has_bf16_units, cpu_matmul_kind
 
 RESULTS = REPO_ROOT / "bench" / "results"
 PLATFORM_MODEL = "smollm2-135m"   # the model `fleet up` registers
@@ -76,7 +78,15 @@ def engine_env(concurrency: int, args) -> dict[str, str]:
     """The engine's settings for one level (FLEET_ENGINE_* overrides, read by the replica at start)."""
     return {"FLEET_ENGINE_NUM_KV_BLOCKS": str(args.kv_blocks), "FLEET_ENGINE_MAX_NUM_SEQS": str(max(concurrency, 1)),
             "FLEET_ENGINE_MAX_NUM_BATCHED_TOKENS": str(args.step_tokens), "FLEET_ENGINE_THREADS": str(args.threads),
-            "OMP_NUM_THREADS": str(args.threads)}
+            "FLEET_ENGINE_CPU_MATMUL": args.cpu_matmul, "OMP_NUM_THREADS": str(args.threads)}
+
+
+def hf_dtype(setting: str) -> str:
+    """The transformers peer's dtype: `auto` gives it its faster choice on this CPU (bf16 only where the CPU
+    multiplies bf16 natively; elsewhere torch's bf16 GEMM runs at a fraction of fp32's rate)."""
+    if setting != "auto":
+        return setting
+    return "bf16" if cpu_has_bf16_units() else "fp32"
 
 
 def bench_platform(settings, workloads: dict, args) -> dict:
@@ -158,7 +168,7 @@ def bench_hf(weights: Path, workloads: dict, args) -> dict:
         proc = subprocess.Popen([sys.executable, "-m", "bench.engine.bench_engine", "--hf-worker", str(weights),
                                  "--hf-batch", str(conc), "--hf-out", str(tmp), "--requests", str(len(reqs)),
                                  "--hf-workload", key.split("-")[0], "--burst-output", str(args.burst_output),
-                                 "--rate", str(args.rate), "--seed", str(args.seed), "--dtype", args.dtype,
+                                 "--rate", str(args.rate), "--seed", str(args.seed), "--dtype", hf_dtype(args.hf_dtype),
                                  "--threads", str(args.threads), "--output-max", str(args.output_max),
                                  "--prompt-max", str(args.prompt_max)],
                                 cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
@@ -236,7 +246,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", default="platform,engine,hf,llama",
                         help="platform (router + one replica via `fleet up`), engine (the replica alone), hf, llama")
-    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--dtype", default="bf16", help="our engine's weights (bf16 = the model as published)")
+    parser.add_argument("--cpu-matmul", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                        help="our engine's CPU GEMM kind (engine setting cpu_matmul)")
+    parser.add_argument("--hf-dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                        help="transformers' dtype; auto = bf16 where the CPU has bf16 units, else fp32")
     parser.add_argument("--kv-blocks", type=int, default=4096)
     parser.add_argument("--step-tokens", type=int, default=256, help="engine max_num_batched_tokens")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads given to every system")
@@ -274,6 +288,8 @@ def main() -> None:
             levels[f"poisson-{c}"] = (c, build_workload("poisson", n, args))
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     report = {"started": started, "load_avg": [round(x, 1) for x in os.getloadavg()], "dtype": args.dtype,
+              "cpu_matmul": cpu_matmul_kind(args.cpu_matmul, torch.bfloat16, torch.device("cpu"))
+              if args.dtype == "bf16" else "", "hf_dtype": hf_dtype(args.hf_dtype),
               "levels": list(levels), "requests": args.requests, "requests_c1": args.requests_c1,
               "rate": args.rate, "threads": args.threads, "systems": {}}
     report["requests_per_level"] = {k: len(w) for k, (_, w) in levels.items()}

@@ -33,8 +33,7 @@ class EngineConfig:
     threads: int = 2                    # torch intra-op threads
     small_step_threads: int = 1         # CPU: threads for steps of <= small_step_max_rows rows (0 = `threads`);
     small_step_max_rows: int = 4        # see device.CpuThreads for why and the measurements
-    fp32_matmul_min_tokens: int = -1    # bf16 on CPU: steps of >= this many rows use fp32 weight copies;
-                                        # 0 = never, -1 = auto (16 unless the CPU has bf16 units)
+    cpu_matmul: str = "auto"            # bf16 on CPU: auto | bf16 | fp16 | fp32, see device.cpu_matmul_kind
     cuda_graphs: int = 1                # CUDA: replay decode steps from graphs captured per batch bucket
     async_decode: int = 0               # 1: launch decode step N+1 before step N's ids reach the host (host
                                         # work overlaps the device); off by default: see docs/engine.md

@@ -1,5 +1,6 @@
-"""Where the engine runs and what that machine can do: device choice, CPU bf16 detection, KV pool sizing,
-and the pinned staging buffer that carries each step's metadata to the device in one non-blocking copy.
+"""Where the engine runs and what that machine can do: device choice, CPU bf16 detection and the CPU GEMM kind
+it implies, pre-packed CPU weights, KV pool sizing, and the pinned staging buffer that carries each step's
+metadata to the device in one non-blocking copy.
 
 Everything here is a plain function of the machine (no engine state), so the model runner, the engine and the
 benchmarks make the same decisions.
@@ -48,40 +49,68 @@ def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def fp32_matmul_rows(setting: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Rows from which bf16 mode uses fp32 weight copies; 0 = never. -1 (auto): never on CUDA or on CPUs with
-    bf16 units; 16 on CPUs without them (their bf16 GEMM runs at about half the fp32 rate for many rows)."""
-    if dtype != torch.bfloat16 or device.type != "cpu" or setting == 0:
-        return 0
-    if setting > 0:
+CPU_MATMULS = ("auto", "bf16", "fp16", "fp32")
+
+
+def fbgemm_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def cpu_matmul_kind(setting: str, dtype: torch.dtype, device: torch.device) -> str:
+    """How a bf16 model multiplies its weights on the CPU; "" where the question does not arise (CUDA, or a
+    model run in fp32/fp16, whose weights are used as they are).
+    - bf16: bf16 weights and activations (oneDNN-packed where this CPU supports it);
+    - fp16: the bf16 weights stored as fp16 (exact: fp16 holds every bf16 value of a weight's range) in
+      fbgemm's packed layout, multiplied in fp32; activations and the KV pool are fp32;
+    - fp32: fp32 weight copies, fp32 activations.
+    auto: bf16 on CPUs with bf16 units (AVX512-BF16/AMX), else fp16 where torch has fbgemm, else fp32. On a
+    2-core AVX2 EPYC (no bf16 units), the 30 layers' GEMMs + lm_head of SmolLM2-135M per step, 2 threads:
+    1 row bf16 28 ms, fp32 34 ms, fp16 14 ms; 32 rows bf16 621 ms, fp32 149 ms, fp16 85 ms (docs/engine.md)."""
+    if setting not in CPU_MATMULS:
+        raise ValueError(f"cpu_matmul {setting!r}: allowed are {', '.join(CPU_MATMULS)}")
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return ""
+    if setting != "auto":
+        if setting == "fp16" and not fbgemm_available():
+            raise ValueError("cpu_matmul 'fp16' needs torch's fbgemm engine, which this build lacks")
         return setting
-    return 0 if cpu_has_bf16_units() else 16
+    if cpu_has_bf16_units():
+        return "bf16"
+    return "fp16" if fbgemm_available() else "fp32"
 
 
 class PackedLinear:
-    """A CPU linear weight pre-packed once into oneDNN's blocked layout (what inductor's freezing pass does):
-    the same products, bit for bit (tested), without re-laying the weight out on every call - 10-40 % faster
-    GEMMs for 1-32 rows on the CPUs we run. `pack` returns None where this torch build has no oneDNN linear;
-    callers then keep the plain weight and F.linear."""
+    """A CPU linear weight packed once for its GEMM library, so no call re-lays it out:
+    - kind "bf16": oneDNN's blocked layout (what inductor's freezing pass does); bit for bit F.linear's products
+      (tested), 10-40 % faster for 1-32 rows on CPUs with AVX512;
+    - kind "fp16": fbgemm's fp16 packed matrix; fp32 activations in and out, fp32 accumulation.
+    `pack` returns None where this torch build or CPU lacks the kernel; callers then keep a plain weight."""
 
-    def __init__(self, packed: torch.Tensor):
-        self.packed = packed
+    def __init__(self, packed: object, kind: str):
+        self.packed, self.kind = packed, kind
 
     @staticmethod
-    def pack(weight: torch.Tensor, rows_hint: int = 32) -> "PackedLinear | None":
-        if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    def pack(weight: torch.Tensor, kind: str = "bf16", rows_hint: int = 32) -> "PackedLinear | None":
+        if weight.device.type != "cpu":
             return None
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
-            probe = torch.ones(1, weight.shape[1], dtype=weight.dtype)
-            torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+            if kind == "fp16":
+                linear = PackedLinear(torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None),
+                                      kind)
+            elif kind == "bf16" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+                linear = PackedLinear(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint), kind)
+            else:
+                return None
+            linear(torch.ones(1, weight.shape[1], dtype=torch.float32 if kind == "fp16" else weight.dtype))
         except (AttributeError, RuntimeError) as exc:       # op missing or unsupported on this CPU
-            log.info("oneDNN weight packing unavailable (%s); plain F.linear", exc)
+            log.info("%s weight packing unavailable (%s); plain F.linear", kind, exc)
             return None
-        return PackedLinear(packed)
+        return linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        if self.kind == "fp16":
+            return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
 
 
 class CpuThreads:

@@ -27,12 +27,17 @@ from safetensors.torch import load_file
 
 from python_backends.engine import paged_attention
 from python_backends.engine.batch import ForwardBatch, SeqChunk
-from python_backends.engine.device import PackedLinear, Staging, fp32_matmul_rows, kv_blocks_for_memory
+from python_backends.engine.device import PackedLinear, Staging, cpu_matmul_kind, kv_blocks_for_memory
 from python_backends.engine.lora import LoraManager
 from python_backends.engine.rope import rope_tables
 
 log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def compute_dtype(dtype: str, matmul: str) -> torch.dtype:
+    """The activations' (and KV pool's) dtype for weights of `dtype` multiplied by CPU GEMM kind `matmul`."""
+    return torch.float32 if matmul in ("fp16", "fp32") else DTYPES[dtype]
 
 
 def read_model_config(weights_dir: Path) -> dict:
@@ -43,14 +48,17 @@ class ModelRunner:
     """Loads HF Llama safetensors onto the device and runs paged forwards; owns the KV pool tensors."""
 
     def __init__(self, weights_dir: Path, dtype: str, num_blocks: int, block_size: int, max_context: int,
-                 lora: LoraManager | None = None, fp32_matmul_min_tokens: int = -1,
+                 lora: LoraManager | None = None, cpu_matmul: str = "auto",
                  device: torch.device | str = "cpu", state_dict: dict[str, torch.Tensor] | None = None,
                  kv_memory_fraction: float = 0.85):
         """num_blocks 0 = as many as kv_memory_fraction of the free memory holds; state_dict replaces
         model.safetensors (benchmarks on random weights)."""
         cfg = read_model_config(weights_dir)
         self.device = torch.device(device)
-        self.dtype = DTYPES[dtype]
+        # dtype names the weights' precision; activations, norms and the KV pool use compute_dtype, which is
+        # fp32 where the CPU GEMMs run in fp32 (device.cpu_matmul_kind says which kind this machine wants).
+        self.matmul = cpu_matmul_kind(cpu_matmul, DTYPES[dtype], self.device)
+        self.dtype = compute_dtype(dtype, self.matmul)
         self.n_layers = cfg["num_hidden_layers"]
         self.n_heads = cfg["num_attention_heads"]
         self.n_kv = cfg["num_key_value_heads"]
@@ -69,11 +77,6 @@ class ModelRunner:
         self.lora = lora
         self._load(state_dict if state_dict is not None else load_file(str(weights_dir / "model.safetensors")),
                    cfg.get("tie_word_embeddings", False))
-        # CPUs without bf16 units run oneDNN's bf16 GEMM at about half the fp32 rate once a step has many rows,
-        # while for a few rows (decode) bf16 wins by reading half the bytes: there, bf16 mode keeps fp32 weight
-        # copies (upcasting is exact) for steps of >= min_rows_fp32 rows. CPUs with AVX512-BF16/AMX skip it.
-        self.min_rows_fp32 = fp32_matmul_rows(fp32_matmul_min_tokens, self.dtype, self.device)
-        self.w32: dict[int, torch.Tensor] = {}
         for L in self.layers:
             for key in ("qkv", "o", "gate_up", "down"):
                 L[key] = self._prepare_linear(L[key])
@@ -96,10 +99,14 @@ class ModelRunner:
         self.graph_error = ""
 
     def _load(self, w: dict[str, torch.Tensor], tied: bool) -> None:
-        def get(name: str) -> torch.Tensor:
-            return w[name].to(device=self.device, dtype=self.dtype)
+        # Linear weights keep their stored precision until _prepare_linear packs them (an fp16 pack from a
+        # bf16 weight is exact; from an fp32 copy of it too, but the copy would double the peak memory).
+        linear_dtype = torch.bfloat16 if self.matmul in ("bf16", "fp16") else self.dtype
+
+        def get(name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+            return w[name].to(device=self.device, dtype=dtype or self.dtype)
         self.embed = get("model.embed_tokens.weight")
-        self.lm_head = self.embed if tied or "lm_head.weight" not in w else get("lm_head.weight")
+        self.lm_head = self.embed if tied or "lm_head.weight" not in w else get("lm_head.weight", linear_dtype)
         self.final_norm = get("model.norm.weight")
         self.layers = []
         for i in range(self.n_layers):
@@ -108,21 +115,17 @@ class ModelRunner:
                 "in_norm": get(p + "input_layernorm.weight"),
                 "post_norm": get(p + "post_attention_layernorm.weight"),
                 # Fused projections: one matmul instead of three (two), fewer dispatches per layer.
-                "qkv": torch.cat([get(p + "self_attn.q_proj.weight"), get(p + "self_attn.k_proj.weight"),
-                                  get(p + "self_attn.v_proj.weight")]).contiguous(),
-                "o": get(p + "self_attn.o_proj.weight"),
-                "gate_up": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]).contiguous(),
-                "down": get(p + "mlp.down_proj.weight"),
+                "qkv": torch.cat([get(p + "self_attn.q_proj.weight", linear_dtype), get(p + "self_attn.k_proj.weight", linear_dtype),
+                                  get(p + "self_attn.v_proj.weight", linear_dtype)]).contiguous(),
+                "o": get(p + "self_attn.o_proj.weight", linear_dtype),
+                "gate_up": torch.cat([get(p + "mlp.gate_proj.weight", linear_dtype), get(p + "mlp.up_proj.weight", linear_dtype)]).contiguous(),
+                "down": get(p + "mlp.down_proj.weight", linear_dtype),
             })
 
     def _prepare_linear(self, w: torch.Tensor) -> torch.Tensor | PackedLinear:
-        """CPU bf16: the weight packed once for oneDNN (device.PackedLinear), else as is; plus its fp32 copy
-        where this CPU wants one for many-row steps."""
-        linear = PackedLinear.pack(w) if self.device.type == "cpu" else None
-        linear = linear or w
-        if self.min_rows_fp32:
-            self.w32[id(linear)] = w.float()
-        return linear
+        """On the CPU, the weight packed once for the GEMM kind (device.PackedLinear), else in the compute dtype."""
+        packed = PackedLinear.pack(w, self.matmul) if self.matmul in ("bf16", "fp16") else None
+        return packed or w.to(self.dtype)
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -259,11 +262,7 @@ class ModelRunner:
         return x * cos + rot * sin
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor | PackedLinear) -> torch.Tensor:
-        if self.min_rows_fp32 and x.shape[0] >= self.min_rows_fp32:
-            return F.linear(x.float(), self.w32[id(w)]).to(x.dtype)
-        if isinstance(w, PackedLinear):
-            return w(x.contiguous())
-        return F.linear(x, w)
+        return w(x) if isinstance(w, PackedLinear) else F.linear(x, w)
 
     def _lin(self, x: torch.Tensor, w: torch.Tensor | PackedLinear, layer: int, name: str,
              batch: ForwardBatch) -> torch.Tensor:

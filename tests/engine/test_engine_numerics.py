@@ -1,5 +1,5 @@
-"""Numerics and machine facts the fast paths rely on: bf16 agrees with fp32 within a stated tolerance (with and
-without the fp32 weight copies), Llama-3 RoPE scaling equals transformers', the CUDA paged-attention kernel
+"""Numerics and machine facts the fast paths rely on: bf16 agrees with fp32 within a stated tolerance (for each
+CPU GEMM kind), Llama-3 RoPE scaling equals transformers', the CUDA paged-attention kernel
 reproduces transformers' greedy ids when run by Triton's CPU interpreter, the CPU bf16 detection reads the
 flags, and the KV pool is sized from free memory."""
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from common.settings import REPO_ROOT
-from python_backends.engine.device import cpu_has_bf16_units, fp32_matmul_rows, kv_blocks_for_memory, resolve_device
+from python_backends.engine.device import (PackedLinear, cpu_has_bf16_units, cpu_matmul_kind, fbgemm_available,
+                                           kv_blocks_for_memory, resolve_device)
 from tests.engine.conftest import CHAT
 from tests.engine.random_llama import prefill_logits
 
@@ -22,15 +23,20 @@ def _prompt(tokenizer) -> list[int]:
     return tokenizer.encode(CHAT.format("Explain in two sentences why the sky is blue, then name three colours.")).ids
 
 
-@pytest.mark.parametrize("fp32_rows", [0, 16])
-def test_bf16_within_tolerance_of_fp32(make_engine, tokenizer, fp32_rows):
+@pytest.mark.parametrize("matmul", ["bf16", "fp16"])
+def test_bf16_within_tolerance_of_fp32(make_engine, tokenizer, matmul):
     """Stated tolerance, SmolLM2-135M, teacher-forced logits at every prompt position: relative L2 error of
-    bf16 vs fp32 under 5 %, and the top-1 token agrees at >= 90 % of the positions."""
+    bf16 weights vs fp32 under 5 % (bf16 activations) or 0.1 % (fp16-packed weights, fp32 activations: the
+    weights are the same numbers, only the summation order differs), and the top-1 token agrees at >= 90 %
+    (99 %) of the positions."""
+    if matmul == "fp16" and not fbgemm_available():
+        pytest.skip("this torch build has no fbgemm")
     prompt = _prompt(tokenizer)
     ref = prefill_logits(make_engine(), prompt)
-    got = prefill_logits(make_engine(dtype="bf16", fp32_matmul_min_tokens=fp32_rows), prompt)
-    assert torch.linalg.norm(got - ref) / torch.linalg.norm(ref) < 0.05
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    got = prefill_logits(make_engine(dtype="bf16", cpu_matmul=matmul), prompt)
+    error, agree = {"bf16": (0.05, 0.9), "fp16": (0.001, 0.99)}[matmul]
+    assert torch.linalg.norm(got - ref) / torch.linalg.norm(ref) < error
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= agree
 
 
 def test_llama3_rope_scaling_matches_transformers():
@@ -106,7 +112,6 @@ def test_both_paged_attention_kernels_match_the_reference_in_the_triton_interpre
 def test_packed_cpu_linear_is_bit_identical_to_f_linear(rows):
     """oneDNN-packed bf16 weights (device.PackedLinear) give exactly F.linear's products, for any row count
     (the packing is laid out for 32 rows), and fp32 weights are left unpacked."""
-    from python_backends.engine.device import PackedLinear
     torch.manual_seed(rows)
     w = torch.randn(960, 576).to(torch.bfloat16)
     packed = PackedLinear.pack(w)
@@ -117,6 +122,21 @@ def test_packed_cpu_linear_is_bit_identical_to_f_linear(rows):
     assert PackedLinear.pack(w.float()) is None
 
 
+@pytest.mark.parametrize("rows", [1, 4, 33])
+def test_fp16_packed_linear_equals_fp32_product_of_the_bf16_weights(rows):
+    """fbgemm's fp16-packed weights hold a bf16 weight exactly, so the product is F.linear's in fp32 up to the
+    summation order."""
+    if not fbgemm_available():
+        pytest.skip("this torch build has no fbgemm")
+    torch.manual_seed(rows)
+    w = (torch.randn(960, 576) * 0.05).to(torch.bfloat16)
+    packed = PackedLinear.pack(w, "fp16")
+    x = torch.randn(rows, 576)
+    got, ref = packed(x), torch.nn.functional.linear(x, w.float())
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_bf16_detection_reads_the_flags(tmp_path):
     without = tmp_path / "cpuinfo"
     without.write_text("flags\t: fpu sse2 avx2 avx512f\n")
@@ -125,11 +145,16 @@ def test_cpu_bf16_detection_reads_the_flags(tmp_path):
     avx512 = "AVX512" in torch.backends.cpu.get_cpu_capability()
     assert cpu_has_bf16_units.__wrapped__(str(without)) is False
     assert cpu_has_bf16_units.__wrapped__(str(with_bf16)) is avx512
-    # auto (-1): no fp32 copies where bf16 units exist; explicit values and non-bf16 dtypes pass through
-    auto = fp32_matmul_rows(-1, torch.bfloat16, torch.device("cpu"))
-    assert auto == (0 if cpu_has_bf16_units() else 16)
-    assert fp32_matmul_rows(32, torch.bfloat16, torch.device("cpu")) == 32
-    assert fp32_matmul_rows(-1, torch.float32, torch.device("cpu")) == 0
+    # auto: bf16 GEMMs where bf16 units exist, else fbgemm's fp16-packed weights; explicit kinds pass through;
+    # fp32 models and CUDA are not asked
+    cpu = torch.device("cpu")
+    auto = cpu_matmul_kind("auto", torch.bfloat16, cpu)
+    assert auto == ("bf16" if cpu_has_bf16_units() else "fp16" if fbgemm_available() else "fp32")
+    assert cpu_matmul_kind("fp32", torch.bfloat16, cpu) == "fp32"
+    assert cpu_matmul_kind("auto", torch.float32, cpu) == ""
+    assert cpu_matmul_kind("auto", torch.bfloat16, torch.device("cuda")) == ""
+    with pytest.raises(ValueError, match="allowed are auto, bf16, fp16, fp32"):
+        cpu_matmul_kind("int4", torch.bfloat16, cpu)
 
 
 def test_kv_pool_sizing_and_device_errors():
