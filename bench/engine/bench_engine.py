@@ -168,7 +168,8 @@ def bench_hf(weights: Path, workloads: dict, args) -> dict:
         proc = subprocess.Popen([sys.executable, "-m", "bench.engine.bench_engine", "--hf-worker", str(weights),
                                  "--hf-batch", str(conc), "--hf-out", str(tmp), "--requests", str(len(reqs)),
                                  "--hf-workload", key.split("-")[0], "--burst-output", str(args.burst_output),
-                                 "--rate", str(args.rate), "--seed", str(args.seed), "--dtype", hf_dtype(args.hf_dtype),
+                                 "--rate", str(args.rate), "--seed", str(args.seed),
+                                 "--dtype", hf_dtype(args.hf_dtype),
                                  "--threads", str(args.threads), "--output-max", str(args.output_max),
                                  "--prompt-max", str(args.prompt_max)],
                                 cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})

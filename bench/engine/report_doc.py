@@ -79,8 +79,9 @@ def cpu_section(report: dict, command: str) -> str:
              "tokens; peak RSS of each system's processes (the replica's for `engine`; not sampled for `platform`).")
     return "\n".join([about, "", f"Command: `{command}`  ", f"Run: {report['started']} (load average at start "
                       f"{report['load_avg']}), requests per level {report['requests_per_level']}, Poisson rate "
-                      f"{report['rate']}/s, dtype {report['dtype']} (our CPU GEMMs: {report.get('cpu_matmul') or 'as the dtype'}; "
-                      f"transformers: {report.get('hf_dtype', report['dtype'])}), {report['threads']} CPU thread(s) per system.",
+                      f"{report['rate']}/s, dtype {report['dtype']} (our CPU GEMMs: "
+                      f"{report.get('cpu_matmul') or 'as the dtype'}; transformers: "
+                      f"{report.get('hf_dtype', report['dtype'])}), {report['threads']} CPU thread(s) per system.",
                       "", *rows, "", *notes, "", f"Raw results: `{report['path']}`"])
 
 

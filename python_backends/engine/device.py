@@ -84,7 +84,8 @@ class PackedLinear:
     - kind "bf16": oneDNN's blocked layout (what inductor's freezing pass does); bit for bit F.linear's products
       (tested), 10-40 % faster for 1-32 rows on CPUs with AVX512;
     - kind "fp16": fbgemm's fp16 packed matrix; fp32 activations in and out, fp32 accumulation.
-    `pack` returns None where this torch build or CPU lacks the kernel; callers then keep a plain weight."""
+    `pack` returns None for any other kind (fp32, "" on CUDA) and where this torch build or CPU lacks the
+    kernel; callers then keep a plain weight."""
 
     def __init__(self, packed: object, kind: str):
         self.packed, self.kind = packed, kind

@@ -25,12 +25,12 @@ import torch
 from tokenizers import Tokenizer
 
 from python_backends.engine.config import EngineConfig
-from python_backends.engine.device import CpuThreads, cpu_matmul_kind, resolve_device
+from python_backends.engine.device import CpuThreads, resolve_device
 from python_backends.engine.kv_cache_manager import KVCacheManager
 from python_backends.engine.lora import FUSED, LoraManager
 from python_backends.engine.metrics import EngineStats
 from python_backends.engine.batch import SeqChunk
-from python_backends.engine.model_runner import DTYPES, ModelRunner, compute_dtype, read_model_config
+from python_backends.engine.model_runner import ModelRunner, precision, read_model_config
 from python_backends.engine.sampling import sample_on_device
 from python_backends.engine.scheduler import Scheduler
 from python_backends.engine.sequence import FinishReason, SamplingParams, Sequence, Status
@@ -82,8 +82,7 @@ class LLMEngine:
                 "gate_up": (hidden, [inter, inter]), "down": (inter, [hidden])}
         assert set(dims) == set(FUSED)
         self.lora = LoraManager(config.adapters_dir, mcfg["num_hidden_layers"], dims,
-                                compute_dtype(config.dtype, cpu_matmul_kind(config.cpu_matmul, DTYPES[config.dtype],
-                                                                            self.device)),
+                                precision(config.dtype, config.cpu_matmul, self.device)[1],
                                 config.max_loras, config.max_lora_rank, self.device) if config.adapters_dir else None
         self.runner = ModelRunner(weights, config.dtype, config.num_kv_blocks, config.block_size,
                                   config.max_context, self.lora, config.cpu_matmul, self.device,

@@ -35,9 +35,11 @@ log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
-def compute_dtype(dtype: str, matmul: str) -> torch.dtype:
-    """The activations' (and KV pool's) dtype for weights of `dtype` multiplied by CPU GEMM kind `matmul`."""
-    return torch.float32 if matmul in ("fp16", "fp32") else DTYPES[dtype]
+def precision(dtype: str, cpu_matmul: str, device: torch.device) -> tuple[str, torch.dtype]:
+    """(CPU GEMM kind, compute dtype) for weights of `dtype`: the kind from device.cpu_matmul_kind; activations,
+    norms, LoRA buffers and the KV pool are fp32 where that kind multiplies in fp32, else in `dtype`."""
+    matmul = cpu_matmul_kind(cpu_matmul, DTYPES[dtype], device)
+    return matmul, torch.float32 if matmul in ("fp16", "fp32") else DTYPES[dtype]
 
 
 def read_model_config(weights_dir: Path) -> dict:
@@ -55,10 +57,8 @@ class ModelRunner:
         model.safetensors (benchmarks on random weights)."""
         cfg = read_model_config(weights_dir)
         self.device = torch.device(device)
-        # dtype names the weights' precision; activations, norms and the KV pool use compute_dtype, which is
-        # fp32 where the CPU GEMMs run in fp32 (device.cpu_matmul_kind says which kind this machine wants).
-        self.matmul = cpu_matmul_kind(cpu_matmul, DTYPES[dtype], self.device)
-        self.dtype = compute_dtype(dtype, self.matmul)
+        # dtype names the weights' precision; self.dtype is the compute dtype (see precision)
+        self.matmul, self.dtype = precision(dtype, cpu_matmul, self.device)
         self.n_layers = cfg["num_hidden_layers"]
         self.n_heads = cfg["num_attention_heads"]
         self.n_kv = cfg["num_key_value_heads"]
@@ -76,7 +76,7 @@ class ModelRunner:
             self.eos_ids |= set(geos if isinstance(geos, list) else [geos] if geos is not None else [])
         self.lora = lora
         self._load(state_dict if state_dict is not None else load_file(str(weights_dir / "model.safetensors")),
-                   cfg.get("tie_word_embeddings", False))
+                   cfg.get("tie_word_embeddings", False), DTYPES[dtype])
         for L in self.layers:
             for key in ("qkv", "o", "gate_up", "down"):
                 L[key] = self._prepare_linear(L[key])
@@ -98,15 +98,16 @@ class ModelRunner:
         self.graphs = None                                # cuda_graphs.DecodeGraphs, set by capture_graphs
         self.graph_error = ""
 
-    def _load(self, w: dict[str, torch.Tensor], tied: bool) -> None:
-        # Linear weights keep their stored precision until _prepare_linear packs them (an fp16 pack from a
-        # bf16 weight is exact; from an fp32 copy of it too, but the copy would double the peak memory).
-        linear_dtype = torch.bfloat16 if self.matmul in ("bf16", "fp16") else self.dtype
-
+    def _load(self, w: dict[str, torch.Tensor], tied: bool, weight_dtype: torch.dtype) -> None:
+        # Linear weights stay in weight_dtype until _prepare_linear packs them or casts them to the compute
+        # dtype (an fp32 copy first would double the peak memory for nothing: bf16 -> fp16 packing is exact).
         def get(name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
             return w[name].to(device=self.device, dtype=dtype or self.dtype)
+
+        def linear(name: str) -> torch.Tensor:
+            return get(name, weight_dtype)
         self.embed = get("model.embed_tokens.weight")
-        self.lm_head = self.embed if tied or "lm_head.weight" not in w else get("lm_head.weight", linear_dtype)
+        self.lm_head = self.embed if tied or "lm_head.weight" not in w else linear("lm_head.weight")
         self.final_norm = get("model.norm.weight")
         self.layers = []
         for i in range(self.n_layers):
@@ -115,17 +116,17 @@ class ModelRunner:
                 "in_norm": get(p + "input_layernorm.weight"),
                 "post_norm": get(p + "post_attention_layernorm.weight"),
                 # Fused projections: one matmul instead of three (two), fewer dispatches per layer.
-                "qkv": torch.cat([get(p + "self_attn.q_proj.weight", linear_dtype), get(p + "self_attn.k_proj.weight", linear_dtype),
-                                  get(p + "self_attn.v_proj.weight", linear_dtype)]).contiguous(),
-                "o": get(p + "self_attn.o_proj.weight", linear_dtype),
-                "gate_up": torch.cat([get(p + "mlp.gate_proj.weight", linear_dtype), get(p + "mlp.up_proj.weight", linear_dtype)]).contiguous(),
-                "down": get(p + "mlp.down_proj.weight", linear_dtype),
+                "qkv": torch.cat([linear(p + "self_attn.q_proj.weight"), linear(p + "self_attn.k_proj.weight"),
+                                  linear(p + "self_attn.v_proj.weight")]).contiguous(),
+                "o": linear(p + "self_attn.o_proj.weight"),
+                "gate_up": torch.cat([linear(p + "mlp.gate_proj.weight"),
+                                      linear(p + "mlp.up_proj.weight")]).contiguous(),
+                "down": linear(p + "mlp.down_proj.weight"),
             })
 
     def _prepare_linear(self, w: torch.Tensor) -> torch.Tensor | PackedLinear:
         """On the CPU, the weight packed once for the GEMM kind (device.PackedLinear), else in the compute dtype."""
-        packed = PackedLinear.pack(w, self.matmul) if self.matmul in ("bf16", "fp16") else None
-        return packed or w.to(self.dtype)
+        return PackedLinear.pack(w, self.matmul) or w.to(self.dtype)
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
