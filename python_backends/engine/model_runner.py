@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from python_backends.engine import paged_attention
+from python_backends.engine import cpu_attention, paged_attention
 from python_backends.engine.batch import ForwardBatch, SeqChunk
 from python_backends.engine.device import PackedLinear, Staging, cpu_matmul_kind, kv_blocks_for_memory
 from python_backends.engine.lora import LoraManager
@@ -52,7 +52,7 @@ class ModelRunner:
     def __init__(self, weights_dir: Path, dtype: str, num_blocks: int, block_size: int, max_context: int,
                  lora: LoraManager | None = None, cpu_matmul: str = "auto",
                  device: torch.device | str = "cpu", state_dict: dict[str, torch.Tensor] | None = None,
-                 kv_memory_fraction: float = 0.85):
+                 kv_memory_fraction: float = 0.85, cpu_decode_attention: str = "auto"):
         """num_blocks 0 = as many as kv_memory_fraction of the free memory holds; state_dict replaces
         model.safetensors (benchmarks on random weights)."""
         cfg = read_model_config(weights_dir)
@@ -93,6 +93,8 @@ class ModelRunner:
             c[:, :, :block_size].zero_()
             c[:, :, num_blocks * block_size:].zero_()
         self.paged = self.device.type == "cuda" and paged_attention.available()
+        self.decode_attention = None if self.paged else cpu_attention.IMPLEMENTATIONS[cpu_attention.choose(
+            cpu_decode_attention, self.dtype, self.n_heads, self.n_kv, self.head_dim)]
         self.zeroed_blocks: set[int] = {0}                # CPU path: blocks whose unwritten slots are zero
         self.staging = Staging(self.device)
         self.graphs = None                                # cuda_graphs.DecodeGraphs, set by capture_graphs
@@ -288,11 +290,8 @@ class ModelRunner:
             g = batch.decode_gather.view(-1)
             kd = kb.index_select(1, g).view(KV, nd, -1, D)       # [KV, Bd, L, D], contiguous
             vd = vb.index_select(1, g).view(KV, nd, -1, D)
-            # SDPA over the gathered blocks with the length mask: one fused kernel (3-4x fewer microseconds
-            # than matmul + softmax + matmul at 1-32 rows, measured), GQA without repeating K/V.
-            od = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), kd.transpose(0, 1), vd.transpose(0, 1),
-                                                attn_mask=batch.decode_mask, enable_gqa=True)
-            outs.append(od.view(nd, H * D))
+            # GQA without repeating K/V; SDPA or batched matmuls, whichever this machine runs faster
+            outs.append(self.decode_attention(q[:nd], kd, vd, batch.decode_mask))
         if T > nd:
             qp = q[nd:].transpose(0, 1).unsqueeze(0)                    # [1, H, n, D]
             kp = kb.index_select(1, batch.prefill_blocks).view(1, KV, -1, D)

@@ -10,7 +10,7 @@ from python_backends.engine.sequence import SamplingParams
 
 
 def test_courier_delivers_in_order_and_a_failed_send_aborts_only_its_sequence(make_engine):
-    loop = EngineLoop(make_engine()).start()
+    loop = EngineLoop(make_engine).start()
     try:
         got: dict[str, list] = {"ok": [], "broken": []}
         threads: set[str] = set()

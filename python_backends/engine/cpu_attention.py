@@ -1,0 +1,76 @@
+"""Decode attention on the CPU: one query per sequence over its gathered K/V blocks, two ways, and the choice
+between them made by measuring on this machine.
+
+- "sdpa": torch's fused scaled_dot_product_attention (CPU flash attention) with the length mask;
+- "matmul": grouped-query batched matmuls, the scores softmaxed in fp32.
+
+Which is faster depends on the CPU and dtype, by an order of magnitude either way: on a 2-core AVX512-BF16
+Xeon, SDPA was 3-4x faster at 1-32 rows; on a 2-core AVX512-BF16 EPYC (Zen 4 class) bf16 SDPA takes 3.3 ms for
+32 rows x 256 keys x 9 heads and the matmul pair 0.25 ms (30 layers: ~100 ms of a ~130 ms step). So `auto`
+times both once at start (`choose`), as an autotuner would, and keeps the faster one.
+
+Accuracy (32 rows, 256 keys, bf16, relative L2 error vs fp32): SDPA 1.9e-3, matmul 7.1e-3 (its scores are
+rounded to bf16 before the fp32 softmax); tests/engine/test_engine_numerics.py bounds the end-to-end effect.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+DECODE_ATTENTIONS = ("auto", "sdpa", "matmul")
+
+
+def decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, H, D]; k, v [KV, B, L, D]; mask [B, 1, 1, L] (True = attend) -> [B, H*D]."""
+    B, H, D = q.shape
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, enable_gqa=True)
+    return out.view(B, H * D)
+
+
+def decode_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Same contract as decode_sdpa: the H // KV query heads sharing a K/V head are one matrix of rows."""
+    B, H, D = q.shape
+    KV = k.shape[0]
+    qg = q.view(B, KV, H // KV, D).transpose(0, 1)                       # [KV, B, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float()               # [KV, B, G, L]
+    scores.mul_(D ** -0.5).masked_fill_(~mask.view(1, B, 1, -1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(B, H * D)
+
+
+IMPLEMENTATIONS = {"sdpa": decode_sdpa, "matmul": decode_matmul}
+
+
+def choose(setting: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+           rows: int = 16, keys: int = 256, repeats: int = 5) -> str:
+    """The decode attention to use: `setting` itself, or for `auto` the faster of the two on a representative
+    step (rows sequences x keys keys), best of `repeats` timed calls each, interleaved so that a burst of
+    load on the machine hits both alike."""
+    if setting not in DECODE_ATTENTIONS:
+        raise ValueError(f"cpu_decode_attention {setting!r}: allowed are {', '.join(DECODE_ATTENTIONS)}")
+    if setting != "auto":
+        return setting
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(kv_heads, rows, keys, head_dim, generator=gen).to(dtype)
+    v = torch.randn(kv_heads, rows, keys, head_dim, generator=gen).to(dtype)
+    mask = (torch.arange(keys).unsqueeze(0) < torch.randint(keys // 2, keys + 1, (rows, 1), generator=gen))
+    mask = mask.view(rows, 1, 1, keys)
+    best = {name: float("inf") for name in IMPLEMENTATIONS}
+    with torch.inference_mode():
+        for name, fn in IMPLEMENTATIONS.items():
+            fn(q, k, v, mask)                                            # first call: kernel selection
+        for _ in range(repeats):
+            for name, fn in IMPLEMENTATIONS.items():
+                t = time.perf_counter()
+                fn(q, k, v, mask)
+                best[name] = min(best[name], time.perf_counter() - t)
+    chosen = min(best, key=best.get)
+    log.info("CPU decode attention: %s (%s, %d rows x %d keys: %s)", chosen, dtype, rows, keys,
+             ", ".join(f"{n} {s * 1e3:.3f} ms" for n, s in best.items()))
+    return chosen

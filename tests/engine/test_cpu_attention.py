@@ -1,0 +1,49 @@
+"""The two CPU decode-attention implementations agree with a plain fp32 softmax(QK^T)V over each sequence's own
+keys (padding masked), and `choose` honours an explicit setting, refuses unknown ones and times `auto`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from python_backends.engine import cpu_attention
+
+B, H, KV, D, L = 6, 9, 3, 64, 48
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    rows = []
+    for b, n in enumerate(lens):
+        kb = k[:, b, :n].float().repeat_interleave(H // KV, 0)          # [H, n, D]
+        vb = v[:, b, :n].float().repeat_interleave(H // KV, 0)
+        scores = torch.einsum("hd,hnd->hn", q[b].float(), kb) / D ** 0.5
+        rows.append(torch.einsum("hn,hnd->hd", torch.softmax(scores, -1), vb).reshape(-1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("name", ["sdpa", "matmul"])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_attention_matches_the_reference(name, dtype, tolerance):
+    gen = torch.Generator().manual_seed(1)
+    q = (torch.randn(B, H, D, generator=gen) * 2).to(dtype)
+    k = torch.randn(KV, B, L, D, generator=gen).to(dtype)
+    v = torch.randn(KV, B, L, D, generator=gen).to(dtype)
+    lens = [1, 7, 16, 17, 33, 48]
+    k[:, 0, 1:] = 1e4                    # padding holds stale values (finite: the pool zeroes fresh blocks)
+    v[:, 0, 1:] = 1e4                    # that must not leak into the result
+    mask = (torch.arange(L).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).view(B, 1, 1, L)
+    got = cpu_attention.IMPLEMENTATIONS[name](q, k, v, mask).float()
+    want = _reference(q, k, v, lens)
+    assert got.shape == (B, H * D)
+    assert torch.isfinite(got).all()
+    assert ((got - want).norm() / want.norm()).item() < tolerance
+
+
+def test_choose_honours_explicit_settings_and_times_auto(caplog):
+    assert cpu_attention.choose("matmul", torch.bfloat16, H, KV, D) == "matmul"
+    assert cpu_attention.choose("sdpa", torch.float32, H, KV, D) == "sdpa"
+    with pytest.raises(ValueError, match="cpu_decode_attention 'fast': allowed are auto, sdpa, matmul"):
+        cpu_attention.choose("fast", torch.bfloat16, H, KV, D)
+    with caplog.at_level("INFO", logger="python_backends.engine.cpu_attention"):
+        chosen = cpu_attention.choose("auto", torch.bfloat16, H, KV, D, rows=4, keys=64, repeats=2)
+    assert chosen in ("sdpa", "matmul")
+    assert f"CPU decode attention: {chosen}" in caplog.text and "sdpa" in caplog.text and "matmul" in caplog.text
