@@ -24,7 +24,7 @@ status: install
 	$(PY) -m fleet.cli status
 
 test: install
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs --durations=20
 
 bench: install
 	$(PY) -m bench.run_all
