@@ -117,11 +117,11 @@ class PackedLinear:
 class CpuThreads:
     """torch's intra-op threads, chosen per step on the CPU: `small` threads for steps of at most `small_rows`
     rows (few decoding streams), `full` otherwise. A few-row step is ~1,800 tiny ops, each ending in an OpenMP
-    barrier, so where other busy threads share the cores fewer threads can win. Default: `small` = `full`.
-    Measured through Triton, one stream: on a 2-core Xeon 2 threads 74.7 ms per token vs 1 thread 50.4 ms,
-    measured while a second thread still had an OpenMP pool of its own (which makes libgomp sleep its
-    workers between ops, see engine.loop); with that fixed, on a 2-core EPYC 2 threads 15.1 ms vs 1 thread 17.5 ms. Switching costs
-    one call only when the choice changes."""
+    barrier, so where other busy threads share the cores fewer threads win. Measured through Triton, one
+    stream, 2-core Xeon: 2 threads 74.7 ms per token, 1 thread 50.4 ms. (With the engine built on its loop
+    thread - one OpenMP pool, see engine.loop - 2 threads won on a 2-core EPYC, 15.1 vs 17.5 ms, but two
+    replicas sharing the cores then starved each other.) Switching costs one call only when the choice
+    changes."""
 
     def __init__(self, full: int, small: int, small_rows: int):
         self.full, self.small, self.small_rows = full, (small or full), small_rows

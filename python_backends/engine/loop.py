@@ -1,11 +1,12 @@
 """EngineLoop: the background thread that drives LLMEngine and hands each output to its request's sink.
 
-The loop thread also builds the engine (`EngineLoop(build)`), so every torch op of the engine runs on this one
-thread. Each thread that runs a parallel torch op gets an OpenMP worker pool of its own; with a second pool
-(the thread that loaded the weights) libgomp counts more threads than cores and its workers sleep after ~1k
-spins instead of 300k, so each of a step's ~1,800 parallel ops waits for a futex wake-up. Measured in-process,
-2 cores, 32 streams: engine built on another thread 45.5 ms per step (45,800 context switches), built on the
-stepping thread 31.5-36.8 ms (42).
+The engine is built by the caller (Triton's `initialize` thread), so two threads run parallel torch ops and
+libgomp keeps two worker pools; counting more threads than cores, it lets idle workers spin ~1k times instead
+of 300k before sleeping. Built on the loop thread instead (one pool), a lone replica's 32-stream step fell
+45.5 -> 31.5-36.8 ms in-process (2 cores), but with two replicas sharing two cores the spinning workers
+starved the other replica: interactive TTFT under batch preemption 0.18 s -> 2-5 s
+(tests/integration/test_router_replicas.py). Which is right depends on whether a replica owns its cores, so it
+stays this way until the spin policy is a deployment setting.
 
 Callers (Triton's `execute`, tests, benchmarks) only enqueue: `submit` puts the request in an inbox and
 returns at once. The loop thread drains the inbox, runs one engine step and hands its outputs to the Courier,
@@ -100,11 +101,9 @@ class Courier:
 
 
 class EngineLoop:
-    def __init__(self, build: Callable[[], LLMEngine], on_tick: Callable[[LLMEngine], None] | None = None,
+    def __init__(self, engine: LLMEngine, on_tick: Callable[[LLMEngine], None] | None = None,
                  tick_s: float = 0.2, cancel_poll_s: float = 0.1):
-        self._build = build
-        self.engine: LLMEngine | None = None          # set by start(), built on the loop thread
-        self._built = threading.Event()
+        self.engine = engine
         self.on_tick = on_tick
         self.tick_s, self.cancel_poll_s = tick_s, cancel_poll_s
         self._inbox: list[tuple] = []
@@ -116,15 +115,9 @@ class EngineLoop:
                                 on_cancelled=lambda seq: self._post("abort_seq", seq))
         self.error: BaseException | None = None
 
-    def start(self, timeout: float = 600.0) -> "EngineLoop":
-        """Start the thread and wait until it has built the engine; a build error is raised here."""
+    def start(self) -> "EngineLoop":
         self._courier.start()
         self._thread.start()
-        if not self._built.wait(timeout):
-            raise TimeoutError(f"the engine was not built within {timeout:.0f} s")
-        if self.engine is None:
-            self._courier.stop()
-            raise self.error
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -156,13 +149,6 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
-        try:
-            self.engine = self._build()
-        except BaseException as exc:
-            self.error = exc
-            return
-        finally:
-            self._built.set()
         last_poll = last_tick = 0.0
         while True:
             with self._cv:

@@ -10,7 +10,7 @@ from python_backends.engine.sequence import SamplingParams
 
 
 def test_courier_delivers_in_order_and_a_failed_send_aborts_only_its_sequence(make_engine):
-    loop = EngineLoop(make_engine).start()
+    loop = EngineLoop(make_engine()).start()
     try:
         got: dict[str, list] = {"ok": [], "broken": []}
         threads: set[str] = set()
@@ -55,27 +55,3 @@ def test_few_row_steps_run_on_the_small_thread_count(make_engine):
     eng.step()                                   # one decode row: the small count
     assert torch.get_num_threads() == 1
 
-
-def test_the_engine_is_built_on_the_loop_thread_and_a_build_error_reaches_start(make_engine):
-    import pytest
-
-    built_on: list[str] = []
-
-    def build():
-        built_on.append(threading.current_thread().name)
-        return make_engine()
-
-    loop = EngineLoop(build).start()
-    try:
-        assert built_on == ["engine-loop"]       # every torch op of the engine on one thread (one OpenMP pool)
-        assert loop.call(lambda e: e is loop.engine)
-    finally:
-        loop.stop()
-
-    def broken():
-        raise ValueError("engine setting cpu_matmul 'x': allowed are auto, bf16, fp16, fp32")
-
-    failed = EngineLoop(broken)
-    with pytest.raises(ValueError, match="cpu_matmul 'x'"):
-        failed.start()
-    assert not failed._courier._thread.is_alive()

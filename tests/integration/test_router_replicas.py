@@ -142,8 +142,11 @@ def test_overload_sheds_batch_and_keeps_interactive_ttft(stack):
     print(f"interactive TTFT p95 unloaded {p95(unloaded) * 1000:.0f} ms, under batch overload "
           f"{p95(loaded) * 1000:.0f} ms; batch shed {len(shed)}, served {len(done)}")
     # preempted batch streams leave the cores to interactive work; a shared 2-core machine's noise (measured
-    # before and after, in `unloaded`) still moves single TTFTs by 2-3x, hence the 3x bound
-    assert p95(loaded) <= 3 * p95(unloaded), (unloaded, loaded)
+    # before and after, in `unloaded`) still moves single TTFTs by 2-3x, hence the 3x bound. Preempting has a
+    # fixed cost as well - the engine notices a cancelled stream at its next poll (0.1 s) and ends the step
+    # under way - which on a fast CPU (unloaded TTFT ~85 ms) is itself ~1-2x; without preemption the
+    # interactive request would wait seconds for a batch stream's 48 tokens.
+    assert p95(loaded) <= 3 * p95(unloaded) + 0.25, (unloaded, loaded)
     metrics = stack.metrics()
     assert 'fleet_router_preemptions_total{model="smollm2-135m"}' in metrics
     assert 'fleet_router_shed_total{model="smollm2-135m",reason="queue_full",tier="batch"}' in metrics

@@ -71,13 +71,9 @@ class TritonPythonModel:
             if self.reporter.routers:
                 self.reporter.publish(self.reporter.build(engine))
 
-        def build() -> LLMEngine:   # runs on the loop thread, where every step runs (python_backends.engine.loop)
-            engine = LLMEngine(self.config)
-            engine.stats.sink = self.metrics
-            return engine
-
-        self.loop = EngineLoop(build, on_tick=on_tick, tick_s=self.config.state_report_interval_s).start()
-        self.engine = self.loop.engine
+        self.engine = LLMEngine(self.config)
+        self.engine.stats.sink = self.metrics
+        self.loop = EngineLoop(self.engine, on_tick=on_tick, tick_s=self.config.state_report_interval_s).start()
 
     def execute(self, requests):
         for request in requests:
