@@ -47,14 +47,17 @@ IMPLEMENTATIONS = {"sdpa": decode_sdpa, "matmul": decode_matmul}
 
 
 def choose(setting: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-           rows: int = 16, keys: int = 256, repeats: int = 5) -> str:
+           device: torch.device = torch.device("cpu"), rows: int = 16, keys: int = 256, repeats: int = 5) -> str:
     """The decode attention to use: `setting` itself, or for `auto` the faster of the two on a representative
-    step (rows sequences x keys keys), best of `repeats` timed calls each, interleaved so that a burst of
-    load on the machine hits both alike."""
+    CPU step (rows sequences x keys keys), best of `repeats` timed calls each, interleaved so that a burst of
+    load on the machine hits both alike. On CUDA (the gather path, where the paged kernel is unavailable)
+    `auto` is SDPA, whose fused kernels win there; the timing is for CPUs."""
     if setting not in DECODE_ATTENTIONS:
         raise ValueError(f"cpu_decode_attention {setting!r}: allowed are {', '.join(DECODE_ATTENTIONS)}")
     if setting != "auto":
         return setting
+    if device.type != "cpu":
+        return "sdpa"
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(rows, heads, head_dim, generator=gen).to(dtype)
     k = torch.randn(kv_heads, rows, keys, head_dim, generator=gen).to(dtype)

@@ -93,10 +93,8 @@ class ModelRunner:
             c[:, :, :block_size].zero_()
             c[:, :, num_blocks * block_size:].zero_()
         self.paged = self.device.type == "cuda" and paged_attention.available()
-        # CUDA without the paged kernel falls back to the gather path; there SDPA's fused kernels win
-        choice = cpu_decode_attention if self.device.type == "cpu" or cpu_decode_attention != "auto" else "sdpa"
         self.decode_attention = None if self.paged else cpu_attention.IMPLEMENTATIONS[cpu_attention.choose(
-            choice, self.dtype, self.n_heads, self.n_kv, self.head_dim)]
+            cpu_decode_attention, self.dtype, self.n_heads, self.n_kv, self.head_dim, self.device)]
         self.zeroed_blocks: set[int] = {0}                # CPU path: blocks whose unwritten slots are zero
         self.staging = Staging(self.device)
         self.graphs = None                                # cuda_graphs.DecodeGraphs, set by capture_graphs

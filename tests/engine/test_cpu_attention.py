@@ -41,6 +41,7 @@ def test_decode_attention_matches_the_reference(name, dtype, tolerance):
 def test_choose_honours_explicit_settings_and_times_auto(caplog):
     assert cpu_attention.choose("matmul", torch.bfloat16, H, KV, D) == "matmul"
     assert cpu_attention.choose("sdpa", torch.float32, H, KV, D) == "sdpa"
+    assert cpu_attention.choose("auto", torch.bfloat16, H, KV, D, torch.device("cuda")) == "sdpa"
     with pytest.raises(ValueError, match="cpu_decode_attention 'fast': allowed are auto, sdpa, matmul"):
         cpu_attention.choose("fast", torch.bfloat16, H, KV, D)
     with caplog.at_level("INFO", logger="python_backends.engine.cpu_attention"):

@@ -54,4 +54,3 @@ def test_few_row_steps_run_on_the_small_thread_count(make_engine):
     assert torch.get_num_threads() == 2
     eng.step()                                   # one decode row: the small count
     assert torch.get_num_threads() == 1
-
