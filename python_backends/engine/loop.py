@@ -9,12 +9,11 @@ starved the other replica: interactive TTFT under batch preemption 0.18 s -> 2-5
 stays this way until the spin policy is a deployment setting.
 
 Callers (Triton's `execute`, tests, benchmarks) only enqueue: `submit` puts the request in an inbox and
-returns at once. The loop thread drains the inbox, runs one engine step and hands its outputs to the Courier,
-whose thread sends them (in order) while the next step runs; every cancel_poll_s the courier also asks the
-sinks whether their callers cancelled and posts an abort for each (its blocks are freed in the next
-iteration). Everything that touches engine state runs on the loop thread, so the engine needs no locks; other
-threads (the courier, the state reporter) only post to the inbox or read the snapshots this thread publishes
-via `on_tick`.
+returns at once. The loop thread drains the inbox, polls the sinks for cancellation (a cancelled request is
+aborted and its blocks freed in the same iteration), runs one engine step and hands its outputs to the
+Courier, whose thread sends them (in order) while the next step runs. Everything that touches engine state runs
+on the loop thread, so the engine needs no locks; other threads (the courier, the state reporter) only post
+to the inbox or read the snapshots this thread publishes via `on_tick`.
 """
 from __future__ import annotations
 
@@ -50,16 +49,13 @@ class CallbackSink:
 
 
 class Courier:
-    """Hands outputs to their sinks on a thread of its own, in order. A Triton response costs ~0.3-0.6 ms of
-    IPC; 32 streams' responses sent from the loop thread added ~20 ms to every step, while from here they
-    overlap the next step's forward (torch releases the GIL). A send that fails is reported through
-    `on_failure`. The courier also asks the sinks whether their callers cancelled (`poll`): in Triton that is
-    one IPC round trip per stream as well, which the loop thread no longer waits for (on 2 cores an A/B of
-    32-stream bursts showed no difference beyond the run-to-run noise)."""
+    """Hands outputs to their sinks on a thread of its own, in order. A Triton response costs ~0.6 ms of IPC;
+    32 streams' responses sent from the loop thread added ~20 ms to every step, while from here they overlap
+    the next step's forward (torch releases the GIL). A send that fails is reported through `on_failure`."""
 
-    def __init__(self, on_failure: Callable[[StepOutput], None], on_cancelled: Callable[[Sequence], None]):
+    def __init__(self, on_failure: Callable[[StepOutput], None]):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._on_failure, self._on_cancelled = on_failure, on_cancelled
+        self._on_failure = on_failure
         self._thread = threading.Thread(target=self._run, name="engine-courier", daemon=True)
 
     def start(self) -> "Courier":
@@ -68,11 +64,7 @@ class Courier:
 
     def put(self, parcels: list[tuple[Sink, StepOutput]]) -> None:
         if parcels:
-            self._queue.put((self._send, parcels))
-
-    def poll(self, streams: list[tuple[Sequence, Sink]]) -> None:
-        """Ask each sink, after the outputs queued before, whether it was cancelled."""
-        self._queue.put((self._check, streams))
+            self._queue.put(parcels)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Deliver what is queued, then end the thread."""
@@ -80,26 +72,14 @@ class Courier:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            handle, pairs = item
-            for pair in pairs:
-                handle(*pair)
-
-    def _send(self, sink: Sink, out: StepOutput) -> None:
-        try:
-            sink.send(out)
-        except Exception:
-            log.exception("sending a response failed (sequence %s)", out.seq.seq_id)
-            if not out.finished:
-                self._on_failure(out)
-
-    def _check(self, seq: Sequence, sink: Sink) -> None:
-        try:
-            cancelled = sink.is_cancelled()
-        except Exception:
-            cancelled = True
-        if cancelled:
-            self._on_cancelled(seq)
+        while (parcels := self._queue.get()) is not None:
+            for sink, out in parcels:
+                try:
+                    sink.send(out)
+                except Exception:
+                    log.exception("sending a response failed (sequence %s)", out.seq.seq_id)
+                    if not out.finished:
+                        self._on_failure(out)
 
 
 class EngineLoop:
@@ -113,8 +93,7 @@ class EngineLoop:
         self._stop = False
         self._sinks: dict[int, tuple[Sequence, Sink]] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._courier = Courier(on_failure=lambda out: self._post("abort_seq", out.seq),
-                                on_cancelled=lambda seq: self._post("abort_seq", seq))
+        self._courier = Courier(on_failure=lambda out: self._post("abort_seq", out.seq))
         self.error: BaseException | None = None
 
     def start(self) -> "EngineLoop":
@@ -165,7 +144,7 @@ class EngineLoop:
                 now = time.monotonic()
                 if self._sinks and now - last_poll >= self.cancel_poll_s:
                     last_poll = now
-                    self._courier.poll(list(self._sinks.values()))
+                    self._poll_cancellations()
                 if self.engine.has_work():
                     self._deliver(self.engine.step())
                     if self.engine.last_scheduled == 0:
@@ -188,15 +167,24 @@ class EngineLoop:
             for seq, _ in list(self._sinks.values()):
                 if seq.request_id == payload:
                     self.engine.abort(seq)
-        elif kind == "abort_seq":           # its caller cancelled, or its response could not be sent (Courier)
+        elif kind == "abort_seq":           # its response could not be sent (Courier)
             if payload.seq_id in self._sinks:
-                self.engine.abort(payload)   # its final response goes out with the next step's outputs
+                self.engine.abort(payload)
         elif kind == "call":
             fn, box, done = payload
             try:
                 box.append(fn(self.engine))
             finally:
                 done.set()
+
+    def _poll_cancellations(self) -> None:
+        for seq, sink in list(self._sinks.values()):
+            try:
+                cancelled = sink.is_cancelled()
+            except Exception:
+                cancelled = True
+            if cancelled:
+                self.engine.abort(seq)   # its final response goes out with the next step's outputs
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         parcels = []
