@@ -1,6 +1,7 @@
 """How each platform service is started: the exact command lines, used by `fleet up` and by the tests."""
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import urllib.request
@@ -9,7 +10,9 @@ from pathlib import Path
 
 from common.processes import port_open, spawn, wait_until
 from common.settings import Settings
-from common.vendor import tansu_binary, triton_env, triton_home
+from common.vendor import replica_cores, tansu_binary, triton_env, triton_home
+
+log = logging.getLogger(__name__)
 
 
 def start_tansu(settings: Settings, port: int, log_path: Path) -> subprocess.Popen:
@@ -41,7 +44,8 @@ def start_triton(settings: Settings, repository: Path, base_port: int, log_path:
     and stop it even if whoever started it goes away during the model load."""
     home = triton_home(settings)
     http, grpc, metrics = replica_ports(base_port)
-    env = triton_env(settings)
+    cores = replica_cores(settings.replica_cpu_cores)
+    env = triton_env(settings, cores)
     env.update(extra_env or {})
     bind = settings.replica_bind  # loopback locally: only the router (and tests) reach a replica
     cmd = [str(home / "bin" / "tritonserver"), f"--model-repository={repository}",
@@ -50,6 +54,7 @@ def start_triton(settings: Settings, repository: Path, base_port: int, log_path:
            f"--metrics-address={bind}", "--allow-sagemaker=false", "--allow-vertex-ai=false",
            "--exit-timeout-secs=5", "--log-verbose=0", "--strict-readiness=true"]
     proc = spawn(cmd, log_path, env=env)
+    log.info("tritonserver on %d: %s CPU cores (replica_cpu_cores=%s)", http, cores, settings.replica_cpu_cores)
     if on_spawn is not None:
         on_spawn(proc)
     wait_until(lambda: triton_ready(http), timeout_s, f"tritonserver on {http}", proc, log_path)

@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     router_internal_host: str = "127.0.0.1"
     router_internal_port: int = Field(8032, gt=0, lt=65536)
     replica_bind: str = "127.0.0.1"  # address Triton replicas listen on (pod address in Kubernetes)
+    # CPU replicas: "dedicated" = the replica owns its cores, OpenMP workers spin between a step's ops;
+    # "shared" = replicas share cores, workers sleep soon so they do not starve each other; "auto" = shared
+    # when another tritonserver already runs on this host (docs/engine.md "Replicas and cores")
+    replica_cpu_cores: Literal["auto", "dedicated", "shared"] = "auto"
     report_secret: str = ""  # signs replica state reports; default: the data dir's report-secret file
     admin_ui_port: int = Field(8501, gt=0, lt=65536)
     replica_base_port: int = Field(8100, gt=0, lt=65536)

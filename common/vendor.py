@@ -11,6 +11,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import psutil
+
 from common.settings import Settings
 
 PYTHON_TAG = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -48,10 +50,27 @@ def triton_home(settings: Settings) -> Path:
     return home
 
 
-def triton_env(settings: Settings) -> dict[str, str]:
-    """Environment for tritonserver: its bundled libs, libpython, and this venv first on PATH for the stub."""
+# libgomp's own spin count when it sees more threads than cores (its default otherwise: 300,000)
+SHARED_CORES_SPINCOUNT = "1000"
+
+
+def replica_cores(setting: str) -> str:
+    """`dedicated` or `shared` for a replica about to start: the setting, or for `auto` shared when another
+    tritonserver already runs on this host. Two replicas whose workers both spin on two cores measured 586 ms
+    per 32-row step each; one spinning and one not 131 and 189 ms; neither 200-210 ms; one alone 140 ms."""
+    if setting != "auto":
+        return setting
+    others = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "tritonserver"]
+    return "shared" if others else "dedicated"
+
+
+def triton_env(settings: Settings, cores: str = "dedicated") -> dict[str, str]:
+    """Environment for tritonserver: its bundled libs, libpython, and this venv first on PATH for the stub;
+    on `shared` cores, OpenMP workers that spin only briefly before sleeping (GOMP_SPINCOUNT)."""
     libs = _pytriton_root(settings) / "nvidia_pytriton.libs"
     env = dict(os.environ)
+    if cores == "shared":
+        env["GOMP_SPINCOUNT"] = SHARED_CORES_SPINCOUNT
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
         p for p in (str(libs), sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH", "")) if p)
     env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))

@@ -13,6 +13,9 @@ from common.processes import free_port, stop_pid
 from common.settings import Settings, load_settings
 from common.services import start_tansu
 
+# The suite runs many replicas, routers and clients on a few cores at once: replicas never spin-wait
+# (common.vendor.replica_cores; tests/autoscale/test_replica_cores.py covers `auto`).
+os.environ.setdefault("FLEET_REPLICA_CPU_CORES", "shared")
 PG_ADMIN_DSN = os.environ.get("FLEET_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 
 

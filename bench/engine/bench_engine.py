@@ -78,7 +78,8 @@ def engine_env(concurrency: int, args) -> dict[str, str]:
     """The engine's settings for one level (FLEET_ENGINE_* overrides, read by the replica at start)."""
     return {"FLEET_ENGINE_NUM_KV_BLOCKS": str(args.kv_blocks), "FLEET_ENGINE_MAX_NUM_SEQS": str(max(concurrency, 1)),
             "FLEET_ENGINE_MAX_NUM_BATCHED_TOKENS": str(args.step_tokens), "FLEET_ENGINE_THREADS": str(args.threads),
-            "FLEET_ENGINE_CPU_MATMUL": args.cpu_matmul, "OMP_NUM_THREADS": str(args.threads)}
+            "FLEET_ENGINE_CPU_MATMUL": args.cpu_matmul, "OMP_NUM_THREADS": str(args.threads),
+            **({"FLEET_ENGINE_STREAM_INTERVAL": str(args.stream_interval)} if args.stream_interval else {})}
 
 
 def hf_dtype(setting: str) -> str:
@@ -255,6 +256,8 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=4096)
     parser.add_argument("--step-tokens", type=int, default=256, help="engine max_num_batched_tokens")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads given to every system")
+    parser.add_argument("--stream-interval", type=int, default=0,
+                        help="our engine's tokens per streamed response under load (0 = the engine's default)")
     parser.add_argument("--output-max", type=int, default=256, help="longest output (smoke runs: smaller)")
     parser.add_argument("--prompt-max", type=int, default=1000, help="longest prompt (smoke runs: smaller)")
     parser.add_argument("--doc-from", type=Path, help="only re-render docs/benchmarks.md from a results JSON")
@@ -292,7 +295,8 @@ def main() -> None:
               "cpu_matmul": cpu_matmul_kind(args.cpu_matmul, torch.bfloat16, torch.device("cpu"))
               if args.dtype == "bf16" else "", "hf_dtype": hf_dtype(args.hf_dtype),
               "levels": list(levels), "requests": args.requests, "requests_c1": args.requests_c1,
-              "rate": args.rate, "threads": args.threads, "systems": {}}
+              "rate": args.rate, "threads": args.threads,
+              "stream_interval": args.stream_interval or "default", "systems": {}}
     report["requests_per_level"] = {k: len(w) for k, (_, w) in levels.items()}
     systems = args.systems.split(",")
     runners = {"platform": lambda w: bench_platform(settings, w, args),

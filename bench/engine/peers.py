@@ -161,6 +161,9 @@ def summarize(results: list[Result]) -> dict:
     ok = [r for r in results if not r.error and r.token_times]
     ttft = [r.token_times[0] - r.arrival for r in ok]
     itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    # time per output token after the first, per request: unlike ITL, the same whether tokens arrive one per
+    # response or a few at a time (the engine's stream_interval)
+    tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in ok if len(r.token_times) > 1]
     tokens = sum(r.n_tokens for r in ok)
     start = min(r.arrival for r in results)
     end = max(r.token_times[-1] for r in ok) if ok else start
@@ -168,6 +171,7 @@ def summarize(results: list[Result]) -> dict:
     return {"requests": len(results), "errors": len(results) - len(ok), "output_tokens": tokens,
             "duration_s": end - start, "throughput_tok_s": tokens / (end - start) if end > start else 0.0,
             "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p95": pct(ttft, 95), "itl_ms_p50": pct(itl, 50),
-            "itl_ms_p95": pct(itl, 95), "prompt_tokens": sum(r.prompt for r in ok),
+            "itl_ms_p95": pct(itl, 95), "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p95": pct(tpot, 95),
+            "prompt_tokens": sum(r.prompt for r in ok),
             "cached_prompt_tokens": sum(r.cached for r in ok),
             "first_error": next((r.error for r in results if r.error), "")}

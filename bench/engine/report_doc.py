@@ -37,8 +37,8 @@ def _f(v, d: int = 0) -> str:
 
 
 def cpu_section(report: dict, command: str) -> str:
-    rows = ["| workload | concurrency | system | tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | "
-            "peak RSS MB | load avg before |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| workload | concurrency | system | tok/s | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | TPOT p95 ms | "
+            "ITL p50 ms | peak RSS MB | load avg before |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for key in report["levels"]:
         kind, conc = key.split("-")
@@ -46,7 +46,8 @@ def cpu_section(report: dict, command: str) -> str:
             s = report["systems"].get(system, {}).get(key)
             if s:
                 rows.append(f"| {kind} | {conc} | {system} | {_f(s['throughput_tok_s'], 1)} | {_f(s['ttft_ms_p50'])} | "
-                            f"{_f(s['ttft_ms_p95'])} | {_f(s['itl_ms_p50'], 1)} | {_f(s['itl_ms_p95'], 1)} | "
+                            f"{_f(s['ttft_ms_p95'])} | {_f(s.get('tpot_ms_p50'), 1)} | {_f(s.get('tpot_ms_p95'), 1)} | "
+                            f"{_f(s['itl_ms_p50'], 1)} | "
                             f"{_f(s.get('peak_rss_mb'))} | {s.get('load_avg_before', '-')} |")
         parts = []
         for ours in ("platform", "engine"):
@@ -57,8 +58,9 @@ def cpu_section(report: dict, command: str) -> str:
                     parts.append(f"{ours} throughput {o['throughput_tok_s'] / p['throughput_tok_s']:.2f}x {peer}")
                     if p.get("ttft_ms_p95"):
                         parts.append(f"{ours} TTFT p95 {o['ttft_ms_p95'] / p['ttft_ms_p95']:.2f}x {peer}")
-            if o and conc == "1" and o.get("itl_ms_p50"):
-                parts.append(f"{ours} single-stream decode {1000 / o['itl_ms_p50']:.1f} tok/s (1 / ITL p50)")
+            decode_ms = o and conc == "1" and (o.get("tpot_ms_p50") or o.get("itl_ms_p50"))
+            if decode_ms:
+                parts.append(f"{ours} single-stream decode {1000 / decode_ms:.1f} tok/s (1 / TPOT p50)")
         e = report["systems"].get("engine", {}).get(key) or {}
         if e and kind == "poisson":
             parts.append(f"prefix cache saved {100 * e['prefix_saved_shared']:.0f} % of the shared-prompt requests' "
@@ -75,13 +77,15 @@ def cpu_section(report: dict, command: str) -> str:
              "another, same CPU threads each. Workloads (token ids, EOS ignored): `burst` = all requests at once, "
              "20-60-token prompts, 128 output tokens each; `poisson` = Poisson arrivals, prompts of 100-1,000 "
              "tokens, half with one shared 300-token system prompt, outputs of 16-256 tokens. Throughput = output "
-             "tokens / makespan; TTFT from arrival (client-side queueing included); ITL = gaps between streamed "
-             "tokens; peak RSS of each system's processes (the replica's for `engine`; not sampled for `platform`).")
+             "tokens / makespan; TTFT from arrival (client-side queueing included); TPOT = a request's time per "
+             "output token after its first; ITL = gaps between streamed tokens (0 inside a response of several "
+             "tokens: our engine's `stream_interval`); peak RSS of each system's processes (the replica's for `engine`; not sampled for `platform`).")
     return "\n".join([about, "", f"Command: `{command}`  ", f"Run: {report['started']} (load average at start "
                       f"{report['load_avg']}), requests per level {report['requests_per_level']}, Poisson rate "
                       f"{report['rate']}/s, dtype {report['dtype']} (our CPU GEMMs: "
                       f"{report.get('cpu_matmul') or 'as the dtype'}; transformers: "
-                      f"{report.get('hf_dtype', report['dtype'])}), {report['threads']} CPU thread(s) per system.",
+                      f"{report.get('hf_dtype', report['dtype'])}), {report['threads']} CPU thread(s) per system, our engine's "
+                      f"stream_interval {report.get('stream_interval', 1)}.",
                       "", *rows, "", *notes, "", f"Raw results: `{report['path']}`"])
 
 

@@ -38,6 +38,8 @@ class EngineConfig:
     cuda_graphs: int = 1                # CUDA: replay decode steps from graphs captured per batch bucket
     async_decode: int = 0               # 1: launch decode step N+1 before step N's ids reach the host (host
                                         # work overlaps the device); off by default: see docs/engine.md
+    stream_interval: int = 4            # tokens per streamed response while a step has >= min_rows rows
+    stream_interval_min_rows: int = 8   # (interactive tier and first tokens excepted), see stream_coalescer
     default_max_tokens: int = 64
     state_report_interval_s: float = 0.2
     state_full_snapshot_s: float = 10.0

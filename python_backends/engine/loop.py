@@ -1,19 +1,22 @@
 """EngineLoop: the background thread that drives LLMEngine and hands each output to its request's sink.
 
-The engine is built by the caller (Triton's `initialize` thread), so two threads run parallel torch ops and
-libgomp keeps two worker pools; counting more threads than cores, it lets idle workers spin ~1k times instead
-of 300k before sleeping. Built on the loop thread instead (one pool), a lone replica's 32-stream step fell
-45.5 -> 31.5-36.8 ms in-process (2 cores), but with two replicas sharing two cores the spinning workers
-starved the other replica: interactive TTFT under batch preemption 0.18 s -> 2-5 s
-(tests/integration/test_router_replicas.py). Which is right depends on whether a replica owns its cores, so it
-stays this way until the spin policy is a deployment setting.
+The loop thread also builds the engine (`EngineLoop(build)`), so every torch op of the engine runs on this one
+thread. Each thread that runs a parallel torch op gets an OpenMP worker pool of its own; with a second pool
+(the thread that loaded the weights) libgomp counts more threads than cores and its workers sleep after ~1k
+spins instead of 300k, so each of a step's ~1,800 parallel ops waits for a futex wake-up. Measured in-process,
+2 cores, 32 streams: built on another thread 170.6 ms per step, on the stepping thread 139.7 ms (an Ice
+Lake-class Xeon; 45.5 vs 31.5-36.8 ms on a Zen 4 EPYC). Spinning workers are right for a replica that owns its
+cores and wrong for replicas that share them (two such replicas on two cores: 586 ms per step each, against
+230 ms with short spins); the fleet setting `replica_cpu_cores` = shared sets libgomp's spin short
+(GOMP_SPINCOUNT) for every replica it starts, see docs/engine.md.
 
 Callers (Triton's `execute`, tests, benchmarks) only enqueue: `submit` puts the request in an inbox and
 returns at once. The loop thread drains the inbox, polls the sinks for cancellation (a cancelled request is
-aborted and its blocks freed in the same iteration), runs one engine step and hands its outputs to the
-Courier, whose thread sends them (in order) while the next step runs. Everything that touches engine state runs
-on the loop thread, so the engine needs no locks; other threads (the courier, the state reporter) only post
-to the inbox or read the snapshots this thread publishes via `on_tick`.
+aborted and its blocks freed in the same iteration), runs one engine step and hands its outputs, through the
+StreamCoalescer (under load, a stream's tokens a few at a time), to the Courier, whose thread sends them (in
+order) while the next step runs. Everything that touches engine state runs on the loop thread, so the engine
+needs no locks; other threads (the courier, the state reporter) only post to the inbox or read the snapshots
+this thread publishes via `on_tick`.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from typing import Protocol
 
 from python_backends.engine.engine import LLMEngine, StepOutput
 from python_backends.engine.sequence import FinishReason, SamplingParams, Sequence
+from python_backends.engine.stream_coalescer import StreamCoalescer
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +87,11 @@ class Courier:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_tick: Callable[[LLMEngine], None] | None = None,
+    def __init__(self, build: Callable[[], LLMEngine], on_tick: Callable[[LLMEngine], None] | None = None,
                  tick_s: float = 0.2, cancel_poll_s: float = 0.1):
-        self.engine = engine
+        self._build = build
+        self.engine: LLMEngine | None = None          # set by start(), built on the loop thread
+        self._built = threading.Event()
         self.on_tick = on_tick
         self.tick_s, self.cancel_poll_s = tick_s, cancel_poll_s
         self._inbox: list[tuple] = []
@@ -94,11 +100,18 @@ class EngineLoop:
         self._sinks: dict[int, tuple[Sequence, Sink]] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._courier = Courier(on_failure=lambda out: self._post("abort_seq", out.seq))
+        self._coalescer: StreamCoalescer | None = None   # from the engine's config, once built
         self.error: BaseException | None = None
 
-    def start(self) -> "EngineLoop":
+    def start(self, timeout: float = 600.0) -> "EngineLoop":
+        """Start the thread and wait until it has built the engine; a build error is raised here."""
         self._courier.start()
         self._thread.start()
+        if not self._built.wait(timeout):
+            raise TimeoutError(f"the engine was not built within {timeout:.0f} s")
+        if self.engine is None:
+            self._courier.stop()
+            raise self.error
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -130,6 +143,15 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ thread
     def _run(self) -> None:
+        try:
+            self.engine = self._build()
+            config = self.engine.config
+            self._coalescer = StreamCoalescer(config.stream_interval, config.stream_interval_min_rows)
+        except BaseException as exc:
+            self.error, self.engine = exc, None
+            return
+        finally:
+            self._built.set()
         last_poll = last_tick = 0.0
         while True:
             with self._cv:
@@ -188,7 +210,7 @@ class EngineLoop:
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         parcels = []
-        for out in outputs:
+        for out in self._coalescer.release(outputs):
             entry = self._sinks.get(out.seq.seq_id)
             if entry is None:
                 continue

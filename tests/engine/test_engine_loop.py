@@ -10,7 +10,7 @@ from python_backends.engine.sequence import SamplingParams
 
 
 def test_courier_delivers_in_order_and_a_failed_send_aborts_only_its_sequence(make_engine):
-    loop = EngineLoop(make_engine()).start()
+    loop = EngineLoop(make_engine).start()
     try:
         got: dict[str, list] = {"ok": [], "broken": []}
         threads: set[str] = set()
@@ -54,3 +54,13 @@ def test_few_row_steps_run_on_the_small_thread_count(make_engine):
     assert torch.get_num_threads() == 2
     eng.step()                                   # one decode row: the small count
     assert torch.get_num_threads() == 1
+
+
+def test_a_failed_build_is_raised_by_start():
+    import pytest
+
+    def build():
+        raise ValueError("weights_dir /nowhere: no such directory")
+
+    with pytest.raises(ValueError, match="no such directory"):
+        EngineLoop(build).start()

@@ -61,11 +61,9 @@ class TritonPythonModel:
         if args.get("model_instance_kind") == "GPU" and self.config.device in ("cuda", "auto"):
             # KIND_GPU: Triton places each instance on a GPU of its own; the engine follows that choice
             self.config.device = f"cuda:{args.get('model_instance_device_id', 0)}"
-        self.engine = LLMEngine(self.config)
         identity = identity_from_env()
         labels = {"replica_id": identity["replica_id"], "model": identity["model"] or "engine"}
         self.metrics = TritonMetrics(pb_utils, labels)
-        self.engine.stats.sink = self.metrics
         self.reporter = StateReporter(identity, self.config.state_full_snapshot_s).start()
 
         def on_tick(engine: LLMEngine) -> None:
@@ -73,7 +71,13 @@ class TritonPythonModel:
             if self.reporter.routers:
                 self.reporter.publish(self.reporter.build(engine))
 
-        self.loop = EngineLoop(self.engine, on_tick=on_tick, tick_s=self.config.state_report_interval_s).start()
+        def build() -> LLMEngine:   # runs on the loop thread, where every step runs (python_backends.engine.loop)
+            engine = LLMEngine(self.config)
+            engine.stats.sink = self.metrics
+            return engine
+
+        self.loop = EngineLoop(build, on_tick=on_tick, tick_s=self.config.state_report_interval_s).start()
+        self.engine = self.loop.engine
 
     def execute(self, requests):
         for request in requests:
