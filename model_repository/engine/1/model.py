@@ -1,8 +1,9 @@
 """Triton shim for the decoupled `engine` model: parse tensors, enqueue into the engine loop, stream back.
 
 `execute` never waits for generation: each request is handed to the EngineLoop (python_backends.engine.loop)
-with its response sender, and the loop thread sends one response per released token delta; the last response
-carries finish_reason + usage and the COMPLETE_FINAL flag. Cancellation is polled from the loop thread.
+with its response sender, and the loop (which builds the engine on its own thread) sends one response per
+released token delta - under load a few tokens at a time (stream_interval); the last response carries
+finish_reason + usage and the COMPLETE_FINAL flag. Cancellation is polled from the loop thread.
 """
 import json
 import logging
