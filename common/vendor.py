@@ -66,11 +66,13 @@ def replica_cores(setting: str) -> str:
 
 def triton_env(settings: Settings, cores: str = "dedicated") -> dict[str, str]:
     """Environment for tritonserver: its bundled libs, libpython, and this venv first on PATH for the stub;
-    on `shared` cores, OpenMP workers that spin only briefly before sleeping (GOMP_SPINCOUNT)."""
+    on `shared` cores, OpenMP workers that spin only briefly before sleeping (GOMP_SPINCOUNT) and few-row
+    steps on one thread (the engine's small_step_threads, unless set), see engine.device.CpuThreads."""
     libs = _pytriton_root(settings) / "nvidia_pytriton.libs"
     env = dict(os.environ)
     if cores == "shared":
         env["GOMP_SPINCOUNT"] = SHARED_CORES_SPINCOUNT
+        env.setdefault("FLEET_ENGINE_SMALL_STEP_THREADS", "1")
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
         p for p in (str(libs), sysconfig.get_config_var("LIBDIR"), env.get("LD_LIBRARY_PATH", "")) if p)
     env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))

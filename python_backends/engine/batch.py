@@ -27,9 +27,9 @@ class ForwardBatch:
     lora_rows: torch.Tensor | None = None
     tok_seq: torch.Tensor | None = None        # CUDA: block-table row of each token
     block_tables: torch.Tensor | None = None   # CUDA: [chunks, max blocks]
-    decode_gather: torch.Tensor | None = None  # CPU: [n_decode, blocks] block ids
+    decode_gather: torch.Tensor | None = None  # CPU: pool rows of [n_decode, blocks] block ids per KV head
     decode_mask: torch.Tensor | None = None    # CPU: [n_decode, 1, 1, blocks*bs]
-    prefill_blocks: torch.Tensor | None = None  # CPU: blocks of all prefill chunks, concatenated
+    prefill_blocks: torch.Tensor | None = None  # CPU: pool rows of all prefill chunks' blocks per KV head
     prefill_mask: torch.Tensor | None = None    # CPU: [prefill tokens, keys]
 
     @property

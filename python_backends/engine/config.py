@@ -31,8 +31,8 @@ class EngineConfig:
     max_loras: int = 8                  # adapters resident at once (LRU beyond)
     max_lora_rank: int = 16
     threads: int = 2                    # torch intra-op threads
-    small_step_threads: int = 1         # CPU: threads for steps of <= small_step_max_rows rows (0 = `threads`);
-    small_step_max_rows: int = 4        # see device.CpuThreads for why and the measurements
+    small_step_threads: int = 0         # CPU: threads for steps of <= small_step_max_rows rows (0 = `threads`;
+    small_step_max_rows: int = 4        # replicas on shared cores get 1), see device.CpuThreads
     cpu_matmul: str = "auto"            # bf16 on CPU: auto | bf16 | fp16 | fp32, see device.cpu_matmul_kind
     cpu_decode_attention: str = "auto"  # CPU: auto (timed at start) | sdpa | matmul, see cpu_attention
     cuda_graphs: int = 1                # CUDA: replay decode steps from graphs captured per batch bucket

@@ -117,11 +117,11 @@ class PackedLinear:
 class CpuThreads:
     """torch's intra-op threads, chosen per step on the CPU: `small` threads for steps of at most `small_rows`
     rows (few decoding streams), `full` otherwise. A few-row step is ~1,800 tiny ops, each ending in an OpenMP
-    barrier, so where other busy threads share the cores fewer threads win. Measured through Triton, one
-    stream, 2-core Xeon: 2 threads 74.7 ms per token, 1 thread 50.4 ms. (With the engine built on its loop
-    thread - one OpenMP pool, see engine.loop - 2 threads won on a 2-core EPYC, 15.1 vs 17.5 ms, but two
-    replicas sharing the cores then starved each other.) Switching costs one call only when the choice
-    changes."""
+    barrier. On cores the replica owns (one OpenMP pool whose workers spin, see engine.loop) 2 threads win:
+    one stream in-process, 2-core Ice Lake-class Xeon, 33.6 vs 49.3 ms per token (Zen 4 EPYC 15.1 vs 17.5).
+    Where busy threads of other processes share the cores and workers sleep soon, 1 thread wins (through
+    Triton, 2-core Xeon: 74.7 -> 50.4 ms), so replicas started on shared cores get small_step_threads=1
+    (common.vendor.triton_env). Switching costs one call only when the choice changes."""
 
     def __init__(self, full: int, small: int, small_rows: int):
         self.full, self.small, self.small_rows = full, (small or full), small_rows

@@ -20,7 +20,12 @@ def test_auto_is_shared_while_another_tritonserver_runs(tmp_path):
     assert replica_cores("dedicated") == "dedicated" and replica_cores("shared") == "shared"
 
 
-def test_shared_cores_set_a_short_openmp_spin(settings, monkeypatch):
+def test_shared_cores_set_a_short_openmp_spin_and_one_thread_for_few_rows(settings, monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    assert triton_env(settings, "shared")["GOMP_SPINCOUNT"] == SHARED_CORES_SPINCOUNT
-    assert "GOMP_SPINCOUNT" not in triton_env(settings, "dedicated")
+    monkeypatch.delenv("FLEET_ENGINE_SMALL_STEP_THREADS", raising=False)
+    shared = triton_env(settings, "shared")
+    assert shared["GOMP_SPINCOUNT"] == SHARED_CORES_SPINCOUNT and shared["FLEET_ENGINE_SMALL_STEP_THREADS"] == "1"
+    dedicated = triton_env(settings, "dedicated")
+    assert "GOMP_SPINCOUNT" not in dedicated and "FLEET_ENGINE_SMALL_STEP_THREADS" not in dedicated
+    monkeypatch.setenv("FLEET_ENGINE_SMALL_STEP_THREADS", "2")      # an operator's explicit choice stands
+    assert triton_env(settings, "shared")["FLEET_ENGINE_SMALL_STEP_THREADS"] == "2"
