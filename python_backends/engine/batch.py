@@ -2,7 +2,7 @@
 metadata of the whole step (ForwardBatch). Shared by the model runner and the CUDA-graph runner."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,14 @@ class SeqChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """CPU: decode rows of similar context length, attended together (cpu_attention.group_by_length)."""
+    rows: torch.Tensor | None      # their indices among the decode rows; None = all of them, in order
+    gather: torch.Tensor           # pool rows of [rows, blocks] block ids per KV head (ModelRunner._flat_blocks)
+    mask: torch.Tensor             # [rows, 1, 1, blocks*bs]: True where a key is in the row's context
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -27,8 +35,9 @@ class ForwardBatch:
     lora_rows: torch.Tensor | None = None
     tok_seq: torch.Tensor | None = None        # CUDA: block-table row of each token
     block_tables: torch.Tensor | None = None   # CUDA: [chunks, max blocks]
-    decode_gather: torch.Tensor | None = None  # CPU: pool rows of [n_decode, blocks] block ids per KV head
-    decode_mask: torch.Tensor | None = None    # CPU: [n_decode, 1, 1, blocks*bs]
+    decode_groups: list[DecodeGroup] = field(default_factory=list)  # CPU: decode rows by context length
+    decode_order: torch.Tensor | None = None   # CPU, several groups: row i of the output is row order[i] of the
+                                               # groups' outputs concatenated
     prefill_blocks: torch.Tensor | None = None  # CPU: pool rows of all prefill chunks' blocks per KV head
     prefill_mask: torch.Tensor | None = None    # CPU: [prefill tokens, keys]
 

@@ -46,6 +46,33 @@ def decode_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 IMPLEMENTATIONS = {"sdpa": decode_sdpa, "matmul": decode_matmul}
 
 
+def group_by_length(blocks: list[int], min_saving: int = 64, max_groups: int = 3) -> list[list[int]]:
+    """Decode rows (their context lengths in blocks) split into at most `max_groups` groups of similar
+    length, longest first, each gathered and attended padded only to its own longest row. The gather and the
+    attention cost ~ rows x padded blocks, a group ~6 ops per layer more: a split is made only where it saves
+    at least `min_saving` row-blocks (at ~0.12 ms per row-block per step on a 2-core Xeon, ~8 ms: a
+    group's fixed cost). Rows of equal length (a burst) stay one group."""
+    order = sorted(range(len(blocks)), key=lambda r: -blocks[r])
+    b = [blocks[r] for r in order]
+
+    def best_split(lo: int, hi: int) -> tuple[int, int]:
+        saving, at = 0, 0
+        for i in range(lo + 1, hi):
+            gain = (hi - i) * (b[lo] - b[i])      # rows i.. padded to b[i] instead of b[lo]
+            if gain > saving:
+                saving, at = gain, i
+        return saving, at
+
+    segments = [(0, len(b))]
+    while len(segments) < max_groups:
+        (saving, at), seg = max(((best_split(lo, hi), (lo, hi)) for lo, hi in segments), key=lambda c: c[0][0])
+        if saving < min_saving:
+            break
+        segments.remove(seg)
+        segments += [(seg[0], at), (at, seg[1])]
+    return [order[lo:hi] for lo, hi in sorted(segments)]
+
+
 def choose(setting: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
            device: torch.device = torch.device("cpu"), rows: int = 16, keys: int = 256, repeats: int = 5) -> str:
     """The decode attention to use: `setting` itself, or for `auto` the faster of the two on a representative

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from python_backends.engine import cpu_attention, paged_attention
-from python_backends.engine.batch import ForwardBatch, SeqChunk
+from python_backends.engine.batch import DecodeGroup, ForwardBatch, SeqChunk
 from python_backends.engine.device import PackedLinear, Staging, cpu_matmul_kind, kv_blocks_for_memory
 from python_backends.engine.lora import LoraManager
 from python_backends.engine.rope import rope_tables
@@ -229,13 +229,21 @@ class ModelRunner:
                 self.zeroed_blocks.add(last)
         if n_decode:
             lens = [c.start + 1 for c in chunks[:n_decode]]
-            nbmax = -(-max(lens) // bs)
-            # Gather whole blocks (contiguous block_size*d rows), not single slots: far fewer, larger copies.
-            rows = [c.block_table[:-(-ln // bs)] for c, ln in zip(chunks, lens)]
-            batch.decode_gather = self._flat_blocks(torch.tensor([r + [0] * (nbmax - len(r)) for r in rows],
-                                                                 dtype=torch.long))
-            ln = torch.tensor(lens)
-            batch.decode_mask = (torch.arange(nbmax * bs).unsqueeze(0) < ln.unsqueeze(1)).view(n_decode, 1, 1, -1)
+            blocks = [-(-ln // bs) for ln in lens]
+            groups = cpu_attention.group_by_length(blocks)
+            if len(groups) == 1:
+                groups = [list(range(n_decode))]         # one group: the rows in batch order, no reordering
+            for rows in groups:
+                nbmax = max(blocks[r] for r in rows)
+                # Gather whole blocks (contiguous block_size*d rows), not single slots: fewer, larger copies.
+                table = torch.tensor([chunks[r].block_table[:blocks[r]] + [0] * (nbmax - blocks[r]) for r in rows],
+                                     dtype=torch.long)
+                ln = torch.tensor([lens[r] for r in rows])
+                mask = (torch.arange(nbmax * bs).unsqueeze(0) < ln.unsqueeze(1)).view(len(rows), 1, 1, -1)
+                batch.decode_groups.append(DecodeGroup(torch.tensor(rows) if len(groups) > 1 else None,
+                                                       self._flat_blocks(table), mask))
+            if len(groups) > 1:
+                batch.decode_order = torch.argsort(torch.tensor([r for rows in groups for r in rows]))
         if len(chunks) > n_decode:
             # One SDPA call for all prefill chunks: keys = each chunk's blocks in turn; a query token sees the
             # keys of its own chunk's region up to its own position (block-diagonal, causal with offsets).
@@ -306,10 +314,15 @@ class ModelRunner:
         outs = []
         nd = batch.n_decode
         if nd:
-            kd = self._gather(kc, batch.decode_gather, self.gather_k).view(KV, nd, -1, D)   # [KV, Bd, L, D]
-            vd = self._gather(vc, batch.decode_gather, self.gather_v).view(KV, nd, -1, D)
-            # GQA without repeating K/V; SDPA or batched matmuls, whichever this machine runs faster
-            outs.append(self.decode_attention(q[:nd], kd, vd, batch.decode_mask))
+            parts = []
+            for group in batch.decode_groups:
+                qg = q[:nd] if group.rows is None else q[:nd].index_select(0, group.rows)
+                rows = qg.shape[0]
+                kd = self._gather(kc, group.gather, self.gather_k).view(KV, rows, -1, D)   # [KV, rows, L, D]
+                vd = self._gather(vc, group.gather, self.gather_v).view(KV, rows, -1, D)
+                # GQA without repeating K/V; SDPA or batched matmuls, whichever this machine runs faster
+                parts.append(self.decode_attention(qg, kd, vd, group.mask))
+            outs.append(parts[0] if len(parts) == 1 else torch.cat(parts).index_select(0, batch.decode_order))
         if T > nd:
             qp = q[nd:].transpose(0, 1).unsqueeze(0)                    # [1, H, n, D]
             kp = self._gather(kc, batch.prefill_blocks, self.gather_k).view(1, KV, -1, D)

@@ -111,3 +111,30 @@ def test_kv_memory_tracks_resident_tokens(make_engine):
     ratios: list[float] = []
     run_to_end(eng, on_step=lambda e: ratios.append(e.kv_overhead()))
     assert max(ratios) <= 1.1, max(ratios)
+
+
+def test_decode_rows_grouped_by_length_give_the_ids_of_one_group(make_engine, tokenizer, hf_greedy, monkeypatch):
+    """Short and long contexts in one step: the CPU attends them in separate length groups (less padding)
+    and puts the rows back in order. Every sequence's ids equal those of the same run attended as one group
+    (the same steps, each row padded to the longest), and the chat prompt's equal transformers'."""
+    from python_backends.engine import cpu_attention
+    real = cpu_attention.group_by_length
+    rng = random.Random(2)
+    short = _prompt(tokenizer, "Write a short poem about the sea and the wind.")
+    prompts = [short, random_prompt(rng, 12), random_prompt(rng, 700), random_prompt(rng, 600),
+               random_prompt(rng, 20), random_prompt(rng, 640)]
+
+    def run(group_by_length) -> tuple[list[list[int]], int]:
+        seen: list[int] = []
+        monkeypatch.setattr(cpu_attention, "group_by_length",
+                            lambda blocks, **kw: (g := group_by_length(blocks, **kw), seen.append(len(g)))[0])
+        eng = make_engine(max_num_batched_tokens=1024)
+        seqs = [eng.add_request(p, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)) for p in prompts]
+        results = run_to_end(eng)
+        return [results[s.seq_id]["ids"] for s in seqs], max(seen)
+
+    grouped, most = run(real)
+    assert most >= 2, "the short and long decode rows should have been attended in separate groups"
+    one_group, _ = run(lambda blocks, **kw: [list(range(len(blocks)))])
+    assert grouped == one_group
+    assert grouped[0] == hf_greedy(short, N_TOKENS)
