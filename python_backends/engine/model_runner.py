@@ -5,9 +5,10 @@ chunks) go through the dense layers together as a [T, hidden] matrix. New K/V ar
 slots the block tables name before attention reads them, so a chunk sees its own keys. Attention:
 - CUDA: one paged-attention Triton kernel per layer for every token of the step (paged_attention.py), reading
   blocks in place; decode-only steps replay a CUDA graph captured per batch-size bucket (cuda_graphs.py).
-- CPU: decode rows attend to their blocks gathered whole (one index_select per layer, a memcpy of contiguous
-  block rows) in one masked SDPA call; all prefill chunks of the step go through ONE SDPA call over their
-  gathered blocks with a block-diagonal causal mask.
+- CPU: decode rows attend to their blocks gathered whole (one index_select per layer of contiguous block rows
+  into a reused buffer) in one call per group of similar context length (at most 3; usually one); all
+  prefill chunks of the step go through ONE SDPA call over their gathered blocks with a block-diagonal
+  causal mask.
 
 The step's metadata (ids, positions, slots, block tables, ...) is packed into one int64 vector and moved in one
 pinned non-blocking copy (device.Staging). The pool is `[layers, kv_heads, slots, head_dim]` for K and for V
