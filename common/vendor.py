@@ -60,8 +60,8 @@ def replica_cores(setting: str) -> str:
     per 32-row step each; one spinning and one not 131 and 189 ms; neither 200-210 ms; one alone 140 ms."""
     if setting != "auto":
         return setting
-    others = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "tritonserver"]
-    return "shared" if others else "dedicated"
+    other = any(p.info["name"] == "tritonserver" for p in psutil.process_iter(["name"]))
+    return "shared" if other else "dedicated"
 
 
 def triton_env(settings: Settings, cores: str = "dedicated") -> dict[str, str]:

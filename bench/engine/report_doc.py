@@ -58,9 +58,10 @@ def cpu_section(report: dict, command: str) -> str:
                     parts.append(f"{ours} throughput {o['throughput_tok_s'] / p['throughput_tok_s']:.2f}x {peer}")
                     if p.get("ttft_ms_p95"):
                         parts.append(f"{ours} TTFT p95 {o['ttft_ms_p95'] / p['ttft_ms_p95']:.2f}x {peer}")
-            decode_ms = o and conc == "1" and (o.get("tpot_ms_p50") or o.get("itl_ms_p50"))
-            if decode_ms:
-                parts.append(f"{ours} single-stream decode {1000 / decode_ms:.1f} tok/s (1 / TPOT p50)")
+            metric = "tpot" if o and o.get("tpot_ms_p50") else "itl"   # results from before TPOT: ITL
+            if o and conc == "1" and o.get(f"{metric}_ms_p50"):
+                parts.append(f"{ours} single-stream decode {1000 / o[f'{metric}_ms_p50']:.1f} tok/s "
+                             f"(1 / {metric.upper()} p50)")
         e = report["systems"].get("engine", {}).get(key) or {}
         if e and kind == "poisson":
             parts.append(f"prefix cache saved {100 * e['prefix_saved_shared']:.0f} % of the shared-prompt requests' "

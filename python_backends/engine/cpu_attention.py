@@ -51,7 +51,7 @@ def group_by_length(blocks: list[int], min_saving: int = 64, max_groups: int = 3
     length, longest first, each gathered and attended padded only to its own longest row. The gather and the
     attention cost ~ rows x padded blocks, a group ~6 ops per layer more: a split is made only where it saves
     at least `min_saving` row-blocks (at ~0.12 ms per row-block per step on a 2-core Xeon, ~8 ms: a
-    group's fixed cost). Rows of equal length (a burst) stay one group."""
+    group's fixed cost). Rows of equal length (a burst) stay one group, in batch order (nothing to reorder)."""
     order = sorted(range(len(blocks)), key=lambda r: -blocks[r])
     b = [blocks[r] for r in order]
 
@@ -70,6 +70,8 @@ def group_by_length(blocks: list[int], min_saving: int = 64, max_groups: int = 3
             break
         segments.remove(seg)
         segments += [(seg[0], at), (at, seg[1])]
+    if len(segments) == 1:
+        return [list(range(len(blocks)))]
     return [order[lo:hi] for lo, hi in sorted(segments)]
 
 

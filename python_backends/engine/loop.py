@@ -7,8 +7,8 @@ spins instead of 300k, so each of a step's ~1,800 parallel ops waits for a futex
 2 cores, 32 streams: built on another thread 170.6 ms per step, on the stepping thread 139.7 ms (an Ice
 Lake-class Xeon; 45.5 vs 31.5-36.8 ms on a Zen 4 EPYC). Spinning workers are right for a replica that owns its
 cores and wrong for replicas that share them (two such replicas on two cores: 586 ms per step each, against
-230 ms with short spins); the fleet setting `replica_cpu_cores` = shared sets libgomp's spin short
-(GOMP_SPINCOUNT) for every replica it starts, see docs/engine.md.
+200-210 ms with short spins); the fleet setting `replica_cpu_cores` (shared, or auto with another replica on
+the host) makes libgomp's spin short (GOMP_SPINCOUNT) for a replica it starts, see docs/engine.md.
 
 Callers (Triton's `execute`, tests, benchmarks) only enqueue: `submit` puts the request in an inbox and
 returns at once. The loop thread drains the inbox, polls the sinks for cancellation (a cancelled request is

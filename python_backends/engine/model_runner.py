@@ -232,8 +232,6 @@ class ModelRunner:
             lens = [c.start + 1 for c in chunks[:n_decode]]
             blocks = [-(-ln // bs) for ln in lens]
             groups = cpu_attention.group_by_length(blocks)
-            if len(groups) == 1:
-                groups = [list(range(n_decode))]         # one group: the rows in batch order, no reordering
             for rows in groups:
                 nbmax = max(blocks[r] for r in rows)
                 # Gather whole blocks (contiguous block_size*d rows), not single slots: fewer, larger copies.

@@ -20,7 +20,6 @@ class StreamCoalescer:
             raise ValueError(f"stream_interval must be >= 1 token (got {interval})")
         self.interval, self.min_rows = interval, max(1, min_rows)
         self._held: dict[int, StepOutput] = {}   # seq_id -> tokens released by the engine, not yet sent
-        self._started: set[int] = set()          # seq_ids that have sent their first response
 
     def release(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """The outputs to send now, from one step's outputs (and what earlier steps held)."""
@@ -36,19 +35,19 @@ class StreamCoalescer:
             if held is not None:
                 out = StepOutput(out.seq, held.token_ids + out.token_ids, out.finish_reason)
             if out.finished:
-                self._started.discard(sid)
                 ready.append(out)
             elif not out.token_ids:
                 continue                          # nothing to say yet (a stop string may be forming)
             elif self._holds(out, busy):
                 self._held[sid] = out
             else:
-                self._started.add(sid)
                 ready.append(out)
         for sid in [sid for sid in self._held if sid not in seen]:
             ready.append(self._held.pop(sid))    # sat this step out (preempted, prefilling): do not wait
         return ready
 
     def _holds(self, out: StepOutput, busy: bool) -> bool:
-        return (busy and out.seq.seq_id in self._started and out.seq.priority != Priority.INTERACTIVE
+        # out carries every released token not yet sent, so the stream has sent some iff the engine released more
+        started = out.seq.num_emitted > len(out.token_ids)
+        return (busy and started and out.seq.priority != Priority.INTERACTIVE
                 and len(out.token_ids) < self.interval)

@@ -52,8 +52,8 @@ def test_choose_honours_explicit_settings_and_times_auto(caplog):
 
 def test_decode_rows_are_grouped_by_length_only_where_it_saves_enough():
     from python_backends.engine.cpu_attention import group_by_length
-    assert group_by_length([10, 10, 11, 10]) == [[2, 0, 1, 3]]                       # a burst: one group
+    assert group_by_length([10, 10, 11, 10]) == [[0, 1, 2, 3]]                       # a burst: one group, in order
     assert group_by_length([2, 40, 3, 41, 2, 39]) == [[3, 1, 5], [2, 0, 4]]          # long first, then short
-    assert group_by_length([2, 40, 3, 41], min_saving=1000) == [[3, 1, 2, 0]]        # not worth a group
+    assert group_by_length([2, 40, 3, 41], min_saving=1000) == [[0, 1, 2, 3]]        # not worth a group
     groups = group_by_length([1, 20, 40, 60, 80, 100, 120] * 4, min_saving=1)
     assert len(groups) == 3 and sorted(r for g in groups for r in g) == list(range(28))

@@ -18,6 +18,9 @@ def _seqs(n: int, priority: int = Priority.STANDARD) -> list[Sequence]:
 
 
 def _step(seqs: list[Sequence], token: int, finished: set[int] = frozenset()) -> list[StepOutput]:
+    """One step's outputs, one token each, released as the engine releases them (num_emitted counts them)."""
+    for s in seqs:
+        s.num_emitted += 1
     return [StepOutput(s, [token], "length" if s.seq_id in finished else "") for s in seqs]
 
 
