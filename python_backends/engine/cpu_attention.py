@@ -25,11 +25,17 @@ DECODE_ATTENTIONS = ("auto", "sdpa", "matmul")
 
 
 def decode_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, H, D]; k, v [KV, B, L, D]; mask [B, 1, 1, L] (True = attend) -> [B, H*D]."""
+    """q [B, H, D]; k, v [KV, B, L, D]; mask [B, 1, 1, L] (True = attend) -> [B, H*D].
+
+    The H // KV query heads that share a K/V head go in as the query rows of one attention over that head
+    (GQA as a [KV, B, G, D] query, not SDPA's enable_gqa with one query row per head): the same products,
+    and CPU flash attention parallelises over B x KV with G rows each instead of B x H with one. 32 rows x 80
+    keys x 9 heads, bf16, 2-core Xeon (AMX): 0.11 vs 0.29 ms; 256 keys 0.41 vs 0.52 ms; 1 row 13 vs 21 us."""
     B, H, D = q.shape
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, enable_gqa=True)
-    return out.view(B, H * D)
+    KV = k.shape[0]
+    qg = q.view(B, KV, H // KV, D).transpose(0, 1)                        # [KV, B, G, D]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.view(1, B, 1, -1))
+    return out.transpose(0, 1).reshape(B, H * D)
 
 
 def decode_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
