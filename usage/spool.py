@@ -77,6 +77,7 @@ class Spool:
         self._read_fd: int | None = None
         self._read_seg = -1
         self._active = 1 << 62  # until our own segment exists, every older segment counts as finished
+        self._wpos = 0
         segs = self.segments()
         self._acked = self._read_ack(segs)
         self._pending = sum(1 for _ in self._scan_from(self._acked, segs))
@@ -211,9 +212,13 @@ class Spool:
             if seg < start.segment:
                 continue
             # Read the active number *before* the bytes: if seg was finished by then, what we read is final.
-            finished = seg < self._active
+            # The active segment's file is preallocated whole; only bytes before the writer's position can
+            # hold records, so reading stops there (not at the read limit: 4 MB copied per event under load).
+            with self._lock:
+                active, written = self._active, self._wpos
+            finished = seg < active
             offset = start.offset if seg == start.segment else 0
-            data, truncated = self._segment_bytes(seg, offset, read_limit)
+            data, truncated = self._segment_bytes(seg, offset, read_limit, None if finished else written)
             pos, ended = 0, False
             while True:
                 if pos + HEADER.size > len(data):
@@ -240,9 +245,11 @@ class Spool:
             if not (ended and finished):
                 return  # never skip past a segment that may still grow or that we have not fully read
 
-    def _segment_bytes(self, seg: int, offset: int, limit: int | None) -> tuple[memoryview, bool]:
-        """Bytes of a segment from offset (at most limit), fsync'd first so what we send is on disk
-        (fsync of the file also writes back pages dirtied through the writer's mapping)."""
+    def _segment_bytes(self, seg: int, offset: int, limit: int | None,
+                       end: int | None = None) -> tuple[memoryview, bool]:
+        """Bytes of a segment from offset up to end (default: the file's size), at most limit, fsync'd first
+        so what we send is on disk (fsync of the file also writes back pages dirtied through the writer's
+        mapping). The flag: limit cut the read short."""
         if seg != self._read_seg:
             if self._read_fd is not None:
                 os.close(self._read_fd)
@@ -253,7 +260,8 @@ class Spool:
                 return memoryview(b""), False
             self._read_seg = seg
         os.fsync(self._read_fd)
-        avail = max(0, os.fstat(self._read_fd).st_size - offset)
+        size = os.fstat(self._read_fd).st_size
+        avail = max(0, (size if end is None else min(end, size)) - offset)
         n = avail if limit is None else min(avail, limit)
         return memoryview(os.pread(self._read_fd, n, offset)), n < avail
 

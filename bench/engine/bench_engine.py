@@ -187,6 +187,17 @@ def bench_hf(weights: Path, workloads: dict, args) -> dict:
     return out
 
 
+def llama_cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """llama-server flags for this CPU. With AMX, a native build compiles ggml's AMX matmul backend, which
+    segfaulted on its first matmul on a 2-core AMX Xeon VM (gdb: ggml_backend_amx_mul_mat); `--no-repack`
+    keeps weights in ggml's plain layout, so Q4_1 runs its AVX-512 kernels (Q4_1 has no other repacked form)."""
+    try:
+        amx = "amx_int8" in Path(cpuinfo).read_text()
+    except OSError:
+        amx = False
+    return ["--no-repack"] if amx else []
+
+
 def bench_llama(settings, workloads: dict, args) -> dict:
     from bench.engine.build_llama_server import build
     from build_engines.cpu import smollm2_gguf
@@ -199,12 +210,14 @@ def bench_llama(settings, workloads: dict, args) -> dict:
         log = open(settings.data_dir / f"llama-server-{key}.log", "w")
         proc = subprocess.Popen([str(binary), "-m", str(smollm2_gguf()), "--parallel", str(conc), "-c",
                                  str(conc * 1400), "--threads", str(args.threads), "--threads-batch", str(args.threads), "--port", str(port),
-                                 "--host", "127.0.0.1"],
+                                 "--host", "127.0.0.1", *llama_cpu_flags()],
                                 stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)   # its own process group: stop_pid kills the group
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
         while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with code {proc.returncode} while starting; see {log.name}")
             try:
                 if urllib.request.urlopen(f"{url}/health", timeout=1).status == 200:
                     break

@@ -102,3 +102,21 @@ def test_append_is_fast(tmp_path):
     # The 0.2 ms p99 target is measured by bench/usage/bench_usage.py; here only a loose guard (shared CPUs).
     assert lat[int(len(lat) * 0.99)] < 0.001
     sp.close()
+
+
+def test_reader_reads_only_what_was_written(tmp_path, monkeypatch):
+    """The active segment is preallocated: a read stops at the writer's position, not at the read limit,
+    and records appended after a read are found by the next one."""
+    sp = Spool(tmp_path)
+    reads = []
+    real_pread = os.pread
+    monkeypatch.setattr(spool_mod.os, "pread", lambda fd, n, off: reads.append(n) or real_pread(fd, n, off))
+    sp.append(b"k", b"a" * 100)
+    first = sp.read_batch(10)
+    assert [r.value for r in first] == [b"a" * 100]
+    sp.ack(first[-1].end, 1)
+    sp.append(b"k", b"b" * 100)
+    sp.append(b"k", b"c" * 100)
+    assert [r.value for r in sp.read_batch(10)] == [b"b" * 100, b"c" * 100]
+    assert reads and max(reads) < 1024          # two records' bytes, never megabytes of empty segment
+    sp.close()
