@@ -75,11 +75,18 @@ def _metric(url: str, name: str) -> float | None:
 
 
 def engine_env(concurrency: int, args) -> dict[str, str]:
-    """The engine's settings for one level (FLEET_ENGINE_* overrides, read by the replica at start)."""
-    return {"FLEET_ENGINE_NUM_KV_BLOCKS": str(args.kv_blocks), "FLEET_ENGINE_MAX_NUM_SEQS": str(max(concurrency, 1)),
+    """The engine's settings for one level (FLEET_ENGINE_* overrides, read by the replica at start). The one
+    replica owns the cores: `auto` would pick `shared` (short OpenMP spins, 82 vs 60 ms per burst step) if
+    the previous system's tritonserver were still exiting when it starts."""
+    return {"FLEET_REPLICA_CPU_CORES": "dedicated",
+            "FLEET_ENGINE_NUM_KV_BLOCKS": str(args.kv_blocks), "FLEET_ENGINE_MAX_NUM_SEQS": str(max(concurrency, 1)),
             "FLEET_ENGINE_MAX_NUM_BATCHED_TOKENS": str(args.step_tokens), "FLEET_ENGINE_THREADS": str(args.threads),
             "FLEET_ENGINE_CPU_MATMUL": args.cpu_matmul, "OMP_NUM_THREADS": str(args.threads),
             **({"FLEET_ENGINE_STREAM_INTERVAL": str(args.stream_interval)} if args.stream_interval else {})}
+
+
+def _no_tritonserver() -> bool:
+    return not any(p.info["name"] == "tritonserver" for p in psutil.process_iter(["name"]))
 
 
 def hf_dtype(setting: str) -> str:
@@ -324,6 +331,9 @@ def main() -> None:
     # that is stopped early still leaves complete comparisons
     for key, level in levels.items():
         for system in systems:
+            # the previous system's replica may still be exiting; its cores must be free before the next
+            wait_until(_no_tritonserver, 60, "no tritonserver left on this host (the benchmark runs alone: "
+                                             "stop `make up` and other benchmarks first)")
             report["systems"].setdefault(system, {}).update(runners[system]({key: level}))
         path.write_text(json.dumps(report, indent=2))
         write_doc(report, command.strip())
