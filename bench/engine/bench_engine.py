@@ -76,8 +76,8 @@ def _metric(url: str, name: str) -> float | None:
 
 def engine_env(concurrency: int, args) -> dict[str, str]:
     """The engine's settings for one level (FLEET_ENGINE_* overrides, read by the replica at start). The one
-    replica owns the cores: `auto` would pick `shared` (short OpenMP spins, 82 vs 60 ms per burst step) if
-    the previous system's tritonserver were still exiting when it starts."""
+    replica owns the cores: said explicitly, as `auto` would pick `shared` (short OpenMP spins) were another
+    tritonserver still running when it starts."""
     return {"FLEET_REPLICA_CPU_CORES": "dedicated",
             "FLEET_ENGINE_NUM_KV_BLOCKS": str(args.kv_blocks), "FLEET_ENGINE_MAX_NUM_SEQS": str(max(concurrency, 1)),
             "FLEET_ENGINE_MAX_NUM_BATCHED_TOKENS": str(args.step_tokens), "FLEET_ENGINE_THREADS": str(args.threads),
