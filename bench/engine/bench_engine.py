@@ -34,7 +34,7 @@ from bench.engine.report_doc import cpu_section, replace_subsection
 from bench.engine.workload import Request, make_burst, make_workload
 from common.processes import free_port, stop_pid, throwaway_platform_env, wait_until
 from common.settings import REPO_ROOT, load_settings
-from python_backends.engine.device import cpu_has_bf16_units, cpu_matmul_kind
+from python_backends.engine.device import CPU_MATMULS, cpu_has_bf16_units, cpu_matmul_kind
 
 RESULTS = REPO_ROOT / "bench" / "results"
 PLATFORM_MODEL = "smollm2-135m"   # the model `fleet up` registers
@@ -269,7 +269,7 @@ def main() -> None:
     parser.add_argument("--systems", default="platform,engine,hf,llama",
                         help="platform (router + one replica via `fleet up`), engine (the replica alone), hf, llama")
     parser.add_argument("--dtype", default="bf16", help="our engine's weights (bf16 = the model as published)")
-    parser.add_argument("--cpu-matmul", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+    parser.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMULS,
                         help="our engine's CPU GEMM kind (engine setting cpu_matmul)")
     parser.add_argument("--hf-dtype", default="auto", choices=("auto", "bf16", "fp32"),
                         help="transformers' dtype; auto = bf16 where the CPU has bf16 units, else fp32")

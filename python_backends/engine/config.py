@@ -33,7 +33,7 @@ class EngineConfig:
     threads: int = 2                    # torch intra-op threads
     small_step_threads: int = 0         # CPU: threads for steps of <= small_step_max_rows rows (0 = `threads`;
     small_step_max_rows: int = 4        # replicas on shared cores get 1), see device.CpuThreads
-    cpu_matmul: str = "auto"            # bf16 on CPU: auto | bf16 | fp16 | fp32, see device.cpu_matmul_kind
+    cpu_matmul: str = "auto"            # bf16 on CPU: auto | bf16 | fp16 | fp32 | int8, see device.cpu_matmul_kind
     cpu_decode_attention: str = "auto"  # CPU: auto (timed at start) | sdpa | matmul, see cpu_attention
     cuda_graphs: int = 1                # CUDA: replay decode steps from graphs captured per batch bucket
     async_decode: int = 0               # 1: launch decode step N+1 before step N's ids reach the host (host

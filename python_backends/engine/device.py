@@ -49,7 +49,8 @@ def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-CPU_MATMULS = ("auto", "bf16", "fp16", "fp32")
+CPU_MATMULS = ("auto", "bf16", "fp16", "fp32", "int8")
+INT8_MAX_ROWS = 4   # kind int8: GEMMs of at most this many rows read the int8 weights (PackedLinear)
 
 
 def fbgemm_available() -> bool:
@@ -62,7 +63,11 @@ def cpu_matmul_kind(setting: str, dtype: torch.dtype, device: torch.device) -> s
     - bf16: bf16 weights and activations (oneDNN-packed where this CPU supports it);
     - fp16: the bf16 weights stored as fp16 (exact: fp16 holds every bf16 value of a weight's range) in
       fbgemm's packed layout, multiplied in fp32; activations and the KV pool are fp32;
-    - fp32: fp32 weight copies, fp32 activations.
+    - fp32: fp32 weight copies, fp32 activations;
+    - int8 (opt-in, never auto: it changes outputs): GEMMs of at most INT8_MAX_ROWS rows (one to four decoding
+      streams, where a step is bound by reading the weights) use weights stored in int8 per output channel with
+      bf16 activations (torch's weight-only int8 kernel), larger ones the bf16 weights: half the bytes where it
+      matters, both copies in memory (+50 %). Needs bf16 units, as its larger steps run in bf16.
     auto: bf16 on CPUs with bf16 units (AVX512-BF16/AMX), else fp16 where torch has fbgemm, else fp32. On a
     2-core AVX2 EPYC (no bf16 units), the 30 layers' GEMMs + lm_head of SmolLM2-135M per step, 2 threads:
     1 row bf16 28 ms, fp32 34 ms, fp16 14 ms; 32 rows bf16 621 ms, fp32 149 ms, fp16 85 ms (docs/engine.md)."""
@@ -73,6 +78,9 @@ def cpu_matmul_kind(setting: str, dtype: torch.dtype, device: torch.device) -> s
     if setting != "auto":
         if setting == "fp16" and not fbgemm_available():
             raise ValueError("cpu_matmul 'fp16' needs torch's fbgemm engine, which this build lacks")
+        if setting == "int8" and not cpu_has_bf16_units():
+            raise ValueError("cpu_matmul 'int8' needs a CPU with bf16 units (AVX512-BF16 or AMX): its steps of more "
+                             f"than {INT8_MAX_ROWS} rows run in bf16; this CPU has none (use fp16)")
         return setting
     if cpu_has_bf16_units():
         return "bf16"
@@ -83,7 +91,9 @@ class PackedLinear:
     """A CPU linear weight packed once for its GEMM library, so no call re-lays it out:
     - kind "bf16": oneDNN's blocked layout (what inductor's freezing pass does); bit for bit F.linear's products
       (tested), 10-40 % faster for 1-32 rows on CPUs with AVX512;
-    - kind "fp16": fbgemm's fp16 packed matrix; fp32 activations in and out, fp32 accumulation.
+    - kind "fp16": fbgemm's fp16 packed matrix; fp32 activations in and out, fp32 accumulation;
+    - kind "int8": the bf16 packing plus an int8 copy (symmetric per output row, scale = the row's largest
+      magnitude / 127) that inputs of at most INT8_MAX_ROWS rows are multiplied with.
     `pack` returns None for any other kind (fp32, "" on CUDA) and where this torch build or CPU lacks the
     kernel; callers then keep a plain weight."""
 
@@ -98,6 +108,11 @@ class PackedLinear:
             if kind == "fp16":
                 linear = PackedLinear(torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None),
                                       kind)
+            elif kind == "int8":
+                bf16 = PackedLinear.pack(weight, "bf16", rows_hint)
+                if bf16 is None:
+                    return None
+                linear = PackedLinear((*int8_per_row(weight), bf16), kind)
             elif kind == "bf16" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
                 linear = PackedLinear(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint), kind)
             else:
@@ -111,7 +126,21 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "fp16":
             return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), self.packed)
+        if self.kind == "int8":
+            q, scales, bf16 = self.packed
+            if x.shape[0] > INT8_MAX_ROWS:     # int8 kernel at 32 rows: 55 ms per 30 layers, bf16 15 ms
+                return bf16(x)
+            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scales)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
+
+
+def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 weight, bf16 scale per output row): symmetric, scale ~ the row's largest magnitude / 127, rounded
+    to bf16 (the kernel's scale dtype) before quantizing, so that the scale the kernel applies is the one used."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(torch.bfloat16)
+    q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return q, scales
 
 
 class CpuThreads:
