@@ -105,10 +105,14 @@ def test_chaos_no_caller_waits_past_its_deadline_and_every_token_is_billed_once(
         client = grpcaio.InferenceServerClient(stack.grpc_url)
         deadline_ms = int((time.time() + DEADLINE_S) * 1000)
         progress = {"tokens": 0}
+        started: set[int] = set()
 
-        async def on_token(so_far):
+        async def on_token(i, so_far):
             progress["tokens"] += 1
-            if done_chaos or progress["tokens"] < 12:
+            started.add(i)
+            # chaos once every stream runs (has its first token) and 12 tokens went out: a stream still
+            # waiting for its first token on the replica about to hang would wait out its first-token timeout
+            if done_chaos or progress["tokens"] < 12 or len(started) < 6:
                 return
             done_chaos.append("started")
             busy = sorted({r["replica_id"] for r in stack.fleet()["replicas"] if r["inflight"] > 0})
@@ -124,7 +128,8 @@ def test_chaos_no_caller_waits_past_its_deadline_and_every_token_is_billed_once(
         async def one(i):
             started = time.monotonic()
             out = await stream_once(client, MODEL, CHATML.format(q=f"Tell me a story about the number {i}."), 48,
-                                    stack.api_key, on_token=on_token, deadline_ms=deadline_ms)
+                                    stack.api_key, on_token=lambda so_far: on_token(i, so_far),
+                                    deadline_ms=deadline_ms)
             return out, time.time(), time.monotonic() - started
         results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(6))), DEADLINE_S + 30)
         await client.close()
