@@ -60,8 +60,12 @@ def replica_cores(setting: str) -> str:
     per 32-row step each; one spinning and one not 131 and 189 ms; neither 200-210 ms; one alone 140 ms."""
     if setting != "auto":
         return setting
-    other = any(p.info["name"] == "tritonserver" for p in psutil.process_iter(["name"]))
-    return "shared" if other else "dedicated"
+    return "shared" if tritonserver_running() else "dedicated"
+
+
+def tritonserver_running() -> bool:
+    """Whether any process named tritonserver runs on this host (stops at the first one)."""
+    return any(p.info["name"] == "tritonserver" for p in psutil.process_iter(["name"]))
 
 
 def triton_env(settings: Settings, cores: str = "dedicated") -> dict[str, str]:

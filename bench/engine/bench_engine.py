@@ -34,7 +34,8 @@ from bench.engine.report_doc import cpu_section, replace_subsection
 from bench.engine.workload import Request, make_burst, make_workload
 from common.processes import free_port, stop_pid, throwaway_platform_env, wait_until
 from common.settings import REPO_ROOT, load_settings
-from python_backends.engine.device import CPU_MATMULS, cpu_has_bf16_units, cpu_matmul_kind
+from common.vendor import tritonserver_running
+from python_backends.engine.device import CPU_MATMULS, cpu_flags, cpu_has_bf16_units, cpu_matmul_kind
 
 RESULTS = REPO_ROOT / "bench" / "results"
 PLATFORM_MODEL = "smollm2-135m"   # the model `fleet up` registers
@@ -83,10 +84,6 @@ def engine_env(concurrency: int, args) -> dict[str, str]:
             "FLEET_ENGINE_MAX_NUM_BATCHED_TOKENS": str(args.step_tokens), "FLEET_ENGINE_THREADS": str(args.threads),
             "FLEET_ENGINE_CPU_MATMUL": args.cpu_matmul, "OMP_NUM_THREADS": str(args.threads),
             **({"FLEET_ENGINE_STREAM_INTERVAL": str(args.stream_interval)} if args.stream_interval else {})}
-
-
-def _no_tritonserver() -> bool:
-    return not any(p.info["name"] == "tritonserver" for p in psutil.process_iter(["name"]))
 
 
 def hf_dtype(setting: str) -> str:
@@ -194,15 +191,11 @@ def bench_hf(weights: Path, workloads: dict, args) -> dict:
     return out
 
 
-def llama_cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+def llama_cpu_flags() -> list[str]:
     """llama-server flags for this CPU. With AMX, a native build compiles ggml's AMX matmul backend, which
     segfaulted on its first matmul on a 2-core AMX Xeon VM (gdb: ggml_backend_amx_mul_mat); `--no-repack`
     keeps weights in ggml's plain layout, so Q4_1 runs its AVX-512 kernels (Q4_1 has no other repacked form)."""
-    try:
-        amx = "amx_int8" in Path(cpuinfo).read_text()
-    except OSError:
-        amx = False
-    return ["--no-repack"] if amx else []
+    return ["--no-repack"] if "amx_int8" in cpu_flags() else []
 
 
 def bench_llama(settings, workloads: dict, args) -> dict:
@@ -332,8 +325,9 @@ def main() -> None:
     for key, level in levels.items():
         for system in systems:
             # the previous system's replica may still be exiting; its cores must be free before the next
-            wait_until(_no_tritonserver, 60, "no tritonserver left on this host (the benchmark runs alone: "
-                                             "stop `make up` and other benchmarks first)")
+            wait_until(lambda: not tritonserver_running(), 60,
+                       "no tritonserver left on this host (the benchmark runs alone: stop `make up` and other "
+                       "benchmarks first)")
             report["systems"].setdefault(system, {}).update(runners[system]({key: level}))
         path.write_text(json.dumps(report, indent=2))
         write_doc(report, command.strip())

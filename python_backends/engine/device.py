@@ -42,11 +42,16 @@ def cpu_has_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool:
         capability = ""
     if "AVX512" not in capability.upper():
         return False
-    try:
-        flags = Path(cpuinfo).read_text()
-    except OSError:
-        return False
+    flags = cpu_flags(cpuinfo)
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's /proc/cpuinfo text, where its feature flags are (Linux; "" elsewhere: no flags known)."""
+    try:
+        return Path(cpuinfo).read_text()
+    except OSError:
+        return ""
 
 
 CPU_MATMULS = ("auto", "bf16", "fp16", "fp32", "int8")
