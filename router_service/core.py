@@ -344,8 +344,9 @@ class Router:
                 self._release_slot(placement)
             if p.handle is not None:
                 self.requests.unregister(p.handle)
-            self.quotas.settle(p.req.request_id, len(p.prompt_ids) + len(emitted))
             account(self.usage, p, finish, status, len(emitted), first_token_at, replica_id, ledger)
+            # shielded: a second cancellation while it is written does not leave the lease unsettled
+            await asyncio.shield(self.quotas.settle_off_loop(p.req.request_id, len(p.prompt_ids) + len(emitted)))
 
     def _resume_text(self, p: Prepared, text: ResumeText, emitted: list[int]) -> None:
         """From the first resume on, the router decodes the stream's text itself (see ResumeText)."""

@@ -71,3 +71,28 @@ def test_a_dead_routers_leases_lapse(ledgers, db_url):
 def quotas_day() -> str:
     from router_service.gateway import _today
     return _today()
+
+
+def test_settling_at_a_streams_end_leaves_the_event_loop_free(db_url):
+    """The router settles a finished request off its event loop (other streams keep moving while the write
+    waits its turn), and returns only once it is written: the freed slot is usable at once, on any router."""
+    if not db_url.startswith("sqlite"):
+        pytest.skip("the writers' turn that this test holds exists on SQLite only")
+    migrate(db_url)
+    a, b = QuotaLedger(db_url, "router-a"), QuotaLedger(db_url, "router-b")
+    asyncio.run(a.reserve("first", "c", 10**9, 10, 1))
+
+    async def settle_while_the_turn_is_held() -> int:
+        ticks = 0
+        a._turn.acquire()                   # another write of this router holds SQLite's one writer slot
+        settling = asyncio.create_task(a.settle_off_loop("first", 7))
+        while ticks < 5:                    # the loop keeps serving while the settle waits its turn
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert not settling.done()
+        a._turn.release()
+        await settling
+        return ticks
+    assert asyncio.run(settle_while_the_turn_is_held()) == 5
+    asyncio.run(b.reserve("second", "c", 10**9, 10, 1))     # the slot is free at once, on the other router
+    assert b.usage_today("c") | {"day": None} == {"day": None, "used": 7, "reserved": 10, "inflight": 1}
