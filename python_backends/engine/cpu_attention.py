@@ -4,10 +4,12 @@ between them made by measuring on this machine.
 - "sdpa": torch's fused scaled_dot_product_attention (CPU flash attention) with the length mask;
 - "matmul": grouped-query batched matmuls, the scores softmaxed in fp32.
 
-Which is faster depends on the CPU and dtype, by an order of magnitude either way: on a 2-core AVX512-BF16
-Xeon, SDPA was 3-4x faster at 1-32 rows; on a 2-core AVX512-BF16 EPYC (Zen 4 class) bf16 SDPA takes 3.3 ms for
-32 rows x 256 keys x 9 heads and the matmul pair 0.25 ms (30 layers: ~100 ms of a ~130 ms step). So `auto`
-times both once at start (`choose`), as an autotuner would, and keeps the faster one.
+Which is faster depends on the CPU, the dtype and the number of rows, by an order of magnitude either way: on a
+2-core AVX512-BF16 Xeon, SDPA was 3-4x faster at 1-32 rows; on a 2-core AVX512-BF16 EPYC (Zen 4 class) bf16
+SDPA took 3.3 ms for 32 rows x 256 keys x 9 heads and the matmul pair 0.25 ms (30 layers: ~100 ms of a ~130 ms
+step), while for one row SDPA is 4x faster there (24 vs 96 us per layer: the matmul path is ~10 small ops).
+So `auto` times both once at start (`choose`), as an autotuner would, for few rows (one stream) and for many
+(a batch), and keeps the faster one of each.
 
 Accuracy (32 rows, 256 keys, bf16, relative L2 error vs fp32): SDPA 1.9e-3, matmul 7.1e-3 (its scores are
 rounded to bf16 before the fp32 softmax); tests/engine/test_engine_numerics.py bounds the end-to-end effect.
@@ -50,6 +52,18 @@ def decode_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 
 IMPLEMENTATIONS = {"sdpa": decode_sdpa, "matmul": decode_matmul}
+FEW_ROWS = 4          # decode groups of at most this many rows use the few-row choice
+
+
+class DecodeAttention:
+    """The decode attention chosen for groups of at most FEW_ROWS rows (`few`) and for larger ones (`many`)."""
+
+    def __init__(self, few: str, many: str):
+        self.few, self.many = few, many
+        self._few, self._many = IMPLEMENTATIONS[few], IMPLEMENTATIONS[many]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return (self._few if q.shape[0] <= FEW_ROWS else self._many)(q, k, v, mask)
 
 
 def group_by_length(blocks: list[int], min_saving: int = 64, max_groups: int = 3) -> list[list[int]]:
@@ -82,17 +96,28 @@ def group_by_length(blocks: list[int], min_saving: int = 64, max_groups: int = 3
 
 
 def choose(setting: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-           device: torch.device = torch.device("cpu"), rows: int = 16, keys: int = 256, repeats: int = 5) -> str:
-    """The decode attention to use: `setting` itself, or for `auto` the faster of the two on a representative
-    CPU step (rows sequences x keys keys), best of `repeats` timed calls each, interleaved so that a burst of
-    load on the machine hits both alike. On CUDA (the gather path, where the paged kernel is unavailable)
-    `auto` is SDPA, whose fused kernels win there; the timing is for CPUs."""
+           device: torch.device = torch.device("cpu"), rows: int = 16, keys: int = 256,
+           repeats: int = 5) -> DecodeAttention:
+    """The decode attention to use: `setting` itself for every group, or for `auto` the faster of the two on a
+    representative CPU step - one row (a lone stream) and `rows` rows (a batch), `keys` keys each - best of
+    `repeats` timed calls each, interleaved so that a burst of load on the machine hits both alike. On CUDA
+    (the gather path, where the paged kernel is unavailable) `auto` is SDPA, whose fused kernels win there."""
     if setting not in DECODE_ATTENTIONS:
         raise ValueError(f"cpu_decode_attention {setting!r}: allowed are {', '.join(DECODE_ATTENTIONS)}")
     if setting != "auto":
-        return setting
+        return DecodeAttention(setting, setting)
     if device.type != "cpu":
-        return "sdpa"
+        return DecodeAttention("sdpa", "sdpa")
+    few, few_times = _fastest(dtype, heads, kv_heads, head_dim, 1, keys, repeats)
+    many, many_times = _fastest(dtype, heads, kv_heads, head_dim, rows, keys, repeats)
+    log.info("CPU decode attention: %s for <= %d rows, %s above (%s, %d keys; 1 row: %s; %d rows: %s)", few,
+             FEW_ROWS, many, dtype, keys, few_times, rows, many_times)
+    return DecodeAttention(few, many)
+
+
+def _fastest(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, rows: int, keys: int,
+             repeats: int) -> tuple[str, str]:
+    """(name of the faster implementation, both timings as text) for `rows` rows x `keys` keys."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(rows, heads, head_dim, generator=gen).to(dtype)
     k = torch.randn(kv_heads, rows, keys, head_dim, generator=gen).to(dtype)
@@ -108,7 +133,4 @@ def choose(setting: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim
                 t = time.perf_counter()
                 fn(q, k, v, mask)
                 best[name] = min(best[name], time.perf_counter() - t)
-    chosen = min(best, key=best.get)
-    log.info("CPU decode attention: %s (%s, %d rows x %d keys: %s)", chosen, dtype, rows, keys,
-             ", ".join(f"{n} {s * 1e3:.3f} ms" for n, s in best.items()))
-    return chosen
+    return min(best, key=best.get), ", ".join(f"{n} {s * 1e3:.3f} ms" for n, s in best.items())

@@ -94,8 +94,8 @@ class ModelRunner:
             c[:, :, :block_size].zero_()
             c[:, :, num_blocks * block_size:].zero_()
         self.paged = self.device.type == "cuda" and paged_attention.available()
-        self.decode_attention = None if self.paged else cpu_attention.IMPLEMENTATIONS[cpu_attention.choose(
-            cpu_decode_attention, self.dtype, self.n_heads, self.n_kv, self.head_dim, self.device)]
+        self.decode_attention = None if self.paged else cpu_attention.choose(
+            cpu_decode_attention, self.dtype, self.n_heads, self.n_kv, self.head_dim, self.device)
         self.zeroed_blocks: set[int] = {0}                # CPU path: blocks whose unwritten slots are zero
         self.pool_blocks = num_blocks + 1                 # blocks per (layer, kv head) in the pool, scratch included
         self.gather_k = torch.empty(0, device=self.device, dtype=self.dtype)   # CPU path: reused gather targets

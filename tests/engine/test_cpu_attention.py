@@ -1,5 +1,6 @@
 """The two CPU decode-attention implementations agree with a plain fp32 softmax(QK^T)V over each sequence's own
-keys (padding masked), and `choose` honours an explicit setting, refuses unknown ones and times `auto`."""
+keys (padding masked), and `choose` honours an explicit setting, refuses unknown ones and times `auto` for few rows
+and for many; a group runs the choice for its row count.
 from __future__ import annotations
 
 import pytest
@@ -39,15 +40,33 @@ def test_decode_attention_matches_the_reference(name, dtype, tolerance):
 
 
 def test_choose_honours_explicit_settings_and_times_auto(caplog):
-    assert cpu_attention.choose("matmul", torch.bfloat16, H, KV, D) == "matmul"
-    assert cpu_attention.choose("sdpa", torch.float32, H, KV, D) == "sdpa"
-    assert cpu_attention.choose("auto", torch.bfloat16, H, KV, D, torch.device("cuda")) == "sdpa"
+    chosen = cpu_attention.choose("matmul", torch.bfloat16, H, KV, D)
+    assert (chosen.few, chosen.many) == ("matmul", "matmul")
+    chosen = cpu_attention.choose("sdpa", torch.float32, H, KV, D)
+    assert (chosen.few, chosen.many) == ("sdpa", "sdpa")
+    chosen = cpu_attention.choose("auto", torch.bfloat16, H, KV, D, torch.device("cuda"))
+    assert (chosen.few, chosen.many) == ("sdpa", "sdpa")
     with pytest.raises(ValueError, match="cpu_decode_attention 'fast': allowed are auto, sdpa, matmul"):
         cpu_attention.choose("fast", torch.bfloat16, H, KV, D)
     with caplog.at_level("INFO", logger="python_backends.engine.cpu_attention"):
         chosen = cpu_attention.choose("auto", torch.bfloat16, H, KV, D, rows=4, keys=64, repeats=2)
-    assert chosen in ("sdpa", "matmul")
-    assert f"CPU decode attention: {chosen}" in caplog.text and "sdpa" in caplog.text and "matmul" in caplog.text
+    assert chosen.few in ("sdpa", "matmul") and chosen.many in ("sdpa", "matmul")
+    assert (f"CPU decode attention: {chosen.few} for <= {cpu_attention.FEW_ROWS} rows, {chosen.many} above"
+            in caplog.text)
+    assert caplog.text.count("sdpa") >= 2 and caplog.text.count("matmul") >= 2       # both timed, both sizes
+
+
+@pytest.mark.parametrize("rows", [1, cpu_attention.FEW_ROWS, cpu_attention.FEW_ROWS + 1])
+def test_the_choice_for_a_group_follows_its_row_count(rows):
+    """A group of at most FEW_ROWS rows runs the few-row choice, a larger one the other: same numbers as
+    calling that implementation directly."""
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows, H, D, generator=gen)
+    k, v = torch.randn(2, KV, rows, 32, D, generator=gen)
+    mask = torch.ones(rows, 1, 1, 32, dtype=torch.bool)
+    mixed = cpu_attention.DecodeAttention("sdpa", "matmul")
+    want = cpu_attention.IMPLEMENTATIONS["sdpa" if rows <= cpu_attention.FEW_ROWS else "matmul"](q, k, v, mask)
+    assert torch.equal(mixed(q, k, v, mask), want)
 
 
 def test_decode_rows_are_grouped_by_length_only_where_it_saves_enough():
