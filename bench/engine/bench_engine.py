@@ -65,6 +65,25 @@ class RssSampler:
         return self.peak
 
 
+QUIET_BUSY_PERCENT = 15.0
+
+
+def wait_quiet(what: str, max_s: float = 90.0) -> float:
+    """Wait until this host's CPUs are mostly idle (under QUIET_BUSY_PERCENT busy over one second) before a
+    system is measured, and return the last reading (recorded with the result). A platform that has just
+    answered its first request is still warming tokenizers and starting its UI and usage loader, and the
+    previous system's processes may still be exiting: on a 2-core EPYC, a burst sent right after `fleet up`
+    had TTFT p50 3.8 s, the same burst once the host was quiet 0.8 s."""
+    deadline = time.time() + max_s
+    while True:
+        busy = psutil.cpu_percent(interval=1.0)
+        if busy < QUIET_BUSY_PERCENT:
+            return busy
+        if time.time() > deadline:
+            print(f"warning: CPUs still {busy:.0f} % busy after {max_s:.0f} s; measuring {what} anyway", flush=True)
+            return busy
+
+
 def _metric(url: str, name: str) -> float | None:
     try:
         for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
@@ -120,10 +139,11 @@ def bench_platform(settings, workloads: dict, args) -> dict:
             probe = [Request(idx=-1, arrival_s=0.0, prompt_ids=[1, 2, 3], max_tokens=2, shared_prefix=False)]
             wait_until(lambda: not run_triton(grpc_url, probe, 1, PLATFORM_MODEL, api_key)[0].error, 300,
                        "a first request through the router")
+            busy = wait_quiet("the platform")
             load = [round(x, 1) for x in os.getloadavg()]
             results = run_triton(grpc_url, reqs, conc, PLATFORM_MODEL, api_key)
             s = summarize(results)
-            s["load_avg_before"] = load
+            s["load_avg_before"], s["cpu_busy_before"] = load, busy
         finally:
             fleet("down")
         out[key] = s
@@ -142,18 +162,22 @@ def bench_engine(settings, weights: Path, workloads: dict, args) -> dict:
     for key, (conc, reqs) in workloads.items():
         base = free_port()
         env = engine_env(conc, args)
-        load = [round(x, 1) for x in os.getloadavg()]
         proc = start_triton(settings, repo, base, run_dir / f"triton-{key}.log", extra_env=env)
         rss = RssSampler(proc.pid)
         try:
+            busy = wait_quiet("the engine")
+            load = [round(x, 1) for x in os.getloadavg()]
             results = run_triton(f"127.0.0.1:{base + 1}", reqs, conc)
             metrics_url = f"http://127.0.0.1:{base + 2}/metrics"
             time.sleep(0.5)
             s = summarize(results)
-            s["load_avg_before"] = load
+            s["load_avg_before"], s["cpu_busy_before"] = load, busy
             s["peak_rss_mb"] = rss.stop() / 2**20
             s["kv_overhead_max"] = _metric(metrics_url, "fleet_engine_kv_overhead_max")
             s["preemptions"] = _metric(metrics_url, "fleet_engine_preemptions_total")
+            # the engine's own TTFT (request added -> first token): what the client saw beyond it is transport
+            ttft_sum, ttft_n = (_metric(metrics_url, f"fleet_engine_ttft_seconds_{x}") for x in ("sum", "count"))
+            s["engine_ttft_mean_ms"] = ttft_sum / ttft_n * 1000 if ttft_sum is not None and ttft_n else None
             shared = [r for r, q in zip(results, reqs) if q.shared_prefix and not r.error]
             s["prefix_saved_shared"] = (sum(r.cached for r in shared) / max(1, sum(r.prompt for r in shared)))
             s["prefix_saved_all"] = s["cached_prompt_tokens"] / max(1, s["prompt_tokens"])
@@ -169,6 +193,7 @@ def bench_hf(weights: Path, workloads: dict, args) -> dict:
     out = {}
     for key, (conc, reqs) in workloads.items():
         tmp = RESULTS / f".hf-{os.getpid()}-{key}.json"
+        busy = wait_quiet("transformers")
         load = [round(x, 1) for x in os.getloadavg()]
         proc = subprocess.Popen([sys.executable, "-m", "bench.engine.bench_engine", "--hf-worker", str(weights),
                                  "--hf-batch", str(conc), "--hf-out", str(tmp), "--requests", str(len(reqs)),
@@ -185,7 +210,7 @@ def bench_hf(weights: Path, workloads: dict, args) -> dict:
         tmp.unlink()
         s = summarize([Result(**d) for d in data])
         s["peak_rss_mb"] = peak / 2**20
-        s["load_avg_before"] = load
+        s["load_avg_before"], s["cpu_busy_before"] = load, busy
         out[key] = s
         print(f"hf      {key}: {json.dumps(s)}", flush=True)
     return out
@@ -206,7 +231,6 @@ def bench_llama(settings, workloads: dict, args) -> dict:
     out = {}
     for key, (conc, reqs) in workloads.items():
         port = free_port()
-        load = [round(x, 1) for x in os.getloadavg()]
         log = open(settings.data_dir / f"llama-server-{key}.log", "w")
         proc = subprocess.Popen([str(binary), "-m", str(smollm2_gguf()), "--parallel", str(conc), "-c",
                                  str(conc * 1400), "--threads", str(args.threads), "--threads-batch", str(args.threads), "--port", str(port),
@@ -225,9 +249,11 @@ def bench_llama(settings, workloads: dict, args) -> dict:
                 time.sleep(0.3)
         rss = RssSampler(proc.pid)
         try:
+            busy = wait_quiet("llama-server")
+            load = [round(x, 1) for x in os.getloadavg()]
             s = summarize(run_llama_server(url, reqs, conc))
             s["peak_rss_mb"] = rss.stop() / 2**20
-            s["load_avg_before"] = load
+            s["load_avg_before"], s["cpu_busy_before"] = load, busy
         finally:
             rss.stop()
             stop_pid(proc.pid)

@@ -38,7 +38,8 @@ def _f(v, d: int = 0) -> str:
 
 def cpu_section(report: dict, command: str) -> str:
     rows = ["| workload | concurrency | system | tok/s | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | TPOT p95 ms | "
-            "ITL p50 ms | peak RSS MB | load avg before |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "ITL p50 ms | peak RSS MB | load avg before | CPU busy before % |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for key in report["levels"]:
         kind, conc = key.split("-")
@@ -48,7 +49,7 @@ def cpu_section(report: dict, command: str) -> str:
                 rows.append(f"| {kind} | {conc} | {system} | {_f(s['throughput_tok_s'], 1)} | {_f(s['ttft_ms_p50'])} | "
                             f"{_f(s['ttft_ms_p95'])} | {_f(s.get('tpot_ms_p50'), 1)} | {_f(s.get('tpot_ms_p95'), 1)} | "
                             f"{_f(s['itl_ms_p50'], 1)} | "
-                            f"{_f(s.get('peak_rss_mb'))} | {s.get('load_avg_before', '-')} |")
+                            f"{_f(s.get('peak_rss_mb'))} | {s.get('load_avg_before', '-')} | {_f(s.get('cpu_busy_before'))} |")
         parts = []
         for ours in ("platform", "engine"):
             o = report["systems"].get(ours, {}).get(key)
