@@ -1,6 +1,6 @@
 """The two CPU decode-attention implementations agree with a plain fp32 softmax(QK^T)V over each sequence's own
 keys (padding masked), and `choose` honours an explicit setting, refuses unknown ones and times `auto` for few rows
-and for many; a group runs the choice for its row count.
+and for many; a group runs the choice for its row count."""
 from __future__ import annotations
 
 import pytest
