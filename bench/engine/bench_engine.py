@@ -68,20 +68,23 @@ class RssSampler:
 QUIET_BUSY_PERCENT = 15.0
 
 
-def wait_quiet(what: str, max_s: float = 90.0) -> float:
+def wait_quiet(what: str, max_s: float = 90.0) -> dict:
     """Wait until this host's CPUs are mostly idle (under QUIET_BUSY_PERCENT busy over one second) before a
-    system is measured, and return the last reading (recorded with the result). A platform that has just
-    answered its first request is still warming tokenizers and starting its UI and usage loader, and the
-    previous system's processes may still be exiting: on a 2-core EPYC, a burst sent right after `fleet up`
-    had TTFT p50 3.8 s, the same burst once the host was quiet 0.8 s."""
+    system is measured; returns the host's state then (load average, last busy reading), recorded with the
+    result. A platform that has just answered its first request is still warming tokenizers and starting its
+    UI and usage loader, and the previous system's processes may still be exiting: on a 2-core EPYC, a burst
+    sent right after `fleet up` had TTFT p50 3.8 s, the same burst once the host was quiet 0.8 s."""
     deadline = time.time() + max_s
-    while True:
+    busy = psutil.cpu_percent(interval=1.0)
+    while busy >= QUIET_BUSY_PERCENT and time.time() <= deadline:
         busy = psutil.cpu_percent(interval=1.0)
-        if busy < QUIET_BUSY_PERCENT:
-            return busy
-        if time.time() > deadline:
-            print(f"warning: CPUs still {busy:.0f} % busy after {max_s:.0f} s; measuring {what} anyway", flush=True)
-            return busy
+    if busy >= QUIET_BUSY_PERCENT:
+        print(f"warning: CPUs still {busy:.0f} % busy after {max_s:.0f} s; measuring {what} anyway", flush=True)
+    return {"load_avg_before": _load_avg(), "cpu_busy_before": busy}
+
+
+def _load_avg() -> list[float]:
+    return [round(x, 1) for x in os.getloadavg()]
 
 
 def _metric(url: str, name: str) -> float | None:
@@ -139,11 +142,8 @@ def bench_platform(settings, workloads: dict, args) -> dict:
             probe = [Request(idx=-1, arrival_s=0.0, prompt_ids=[1, 2, 3], max_tokens=2, shared_prefix=False)]
             wait_until(lambda: not run_triton(grpc_url, probe, 1, PLATFORM_MODEL, api_key)[0].error, 300,
                        "a first request through the router")
-            busy = wait_quiet("the platform")
-            load = [round(x, 1) for x in os.getloadavg()]
-            results = run_triton(grpc_url, reqs, conc, PLATFORM_MODEL, api_key)
-            s = summarize(results)
-            s["load_avg_before"], s["cpu_busy_before"] = load, busy
+            before = wait_quiet("the platform")
+            s = summarize(run_triton(grpc_url, reqs, conc, PLATFORM_MODEL, api_key)) | before
         finally:
             fleet("down")
         out[key] = s
@@ -165,13 +165,11 @@ def bench_engine(settings, weights: Path, workloads: dict, args) -> dict:
         proc = start_triton(settings, repo, base, run_dir / f"triton-{key}.log", extra_env=env)
         rss = RssSampler(proc.pid)
         try:
-            busy = wait_quiet("the engine")
-            load = [round(x, 1) for x in os.getloadavg()]
+            before = wait_quiet("the engine")
             results = run_triton(f"127.0.0.1:{base + 1}", reqs, conc)
             metrics_url = f"http://127.0.0.1:{base + 2}/metrics"
             time.sleep(0.5)
-            s = summarize(results)
-            s["load_avg_before"], s["cpu_busy_before"] = load, busy
+            s = summarize(results) | before
             s["peak_rss_mb"] = rss.stop() / 2**20
             s["kv_overhead_max"] = _metric(metrics_url, "fleet_engine_kv_overhead_max")
             s["preemptions"] = _metric(metrics_url, "fleet_engine_preemptions_total")
@@ -193,8 +191,7 @@ def bench_hf(weights: Path, workloads: dict, args) -> dict:
     out = {}
     for key, (conc, reqs) in workloads.items():
         tmp = RESULTS / f".hf-{os.getpid()}-{key}.json"
-        busy = wait_quiet("transformers")
-        load = [round(x, 1) for x in os.getloadavg()]
+        before = wait_quiet("transformers")
         proc = subprocess.Popen([sys.executable, "-m", "bench.engine.bench_engine", "--hf-worker", str(weights),
                                  "--hf-batch", str(conc), "--hf-out", str(tmp), "--requests", str(len(reqs)),
                                  "--hf-workload", key.split("-")[0], "--burst-output", str(args.burst_output),
@@ -208,9 +205,8 @@ def bench_hf(weights: Path, workloads: dict, args) -> dict:
         peak = rss.stop()
         data = json.loads(tmp.read_text())
         tmp.unlink()
-        s = summarize([Result(**d) for d in data])
+        s = summarize([Result(**d) for d in data]) | before
         s["peak_rss_mb"] = peak / 2**20
-        s["load_avg_before"], s["cpu_busy_before"] = load, busy
         out[key] = s
         print(f"hf      {key}: {json.dumps(s)}", flush=True)
     return out
@@ -249,11 +245,9 @@ def bench_llama(settings, workloads: dict, args) -> dict:
                 time.sleep(0.3)
         rss = RssSampler(proc.pid)
         try:
-            busy = wait_quiet("llama-server")
-            load = [round(x, 1) for x in os.getloadavg()]
-            s = summarize(run_llama_server(url, reqs, conc))
+            before = wait_quiet("llama-server")
+            s = summarize(run_llama_server(url, reqs, conc)) | before
             s["peak_rss_mb"] = rss.stop() / 2**20
-            s["load_avg_before"], s["cpu_busy_before"] = load, busy
         finally:
             rss.stop()
             stop_pid(proc.pid)
@@ -330,7 +324,7 @@ def main() -> None:
             n = counts.get(c, args.requests_c1 if c == 1 else args.requests)
             levels[f"poisson-{c}"] = (c, build_workload("poisson", n, args))
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    report = {"started": started, "load_avg": [round(x, 1) for x in os.getloadavg()], "dtype": args.dtype,
+    report = {"started": started, "load_avg": _load_avg(), "dtype": args.dtype,
               "cpu_matmul": cpu_matmul_kind(args.cpu_matmul, torch.bfloat16, torch.device("cpu"))
               if args.dtype == "bf16" else "", "hf_dtype": hf_dtype(args.hf_dtype),
               "levels": list(levels), "requests": args.requests, "requests_c1": args.requests_c1,

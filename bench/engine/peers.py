@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,29 +29,29 @@ class Result:
     error: str = ""
 
 
-def _dispatch(requests: list[Request], concurrency: int, run_one, t0: float) -> list[Result]:
-    """Open-loop Poisson arrivals, at most `concurrency` requests in flight (the rest queue client-side)."""
+async def _dispatch(requests: list[Request], concurrency: int, run_one) -> list[Result]:
+    """Open-loop Poisson arrivals, at most `concurrency` requests in flight (the rest queue client-side);
+    `run_one(request, result)` is a coroutine that fills in the result's times, an exception its error."""
+    t0 = time.time() + 0.5
     results = [Result(r.idx, t0 + r.arrival_s) for r in requests]
-    slots = threading.Semaphore(concurrency)
-    threads = []
+    slots = asyncio.Semaphore(concurrency)
+
+    async def guarded(r: Request, res: Result) -> None:
+        try:
+            await run_one(r, res)
+        except Exception as exc:   # recorded, reported as an error count
+            res.error = repr(exc)
+        finally:
+            slots.release()
+
+    tasks = []
     for r, res in zip(requests, results):
         delay = res.arrival - time.time()
         if delay > 0:
-            time.sleep(delay)
-        slots.acquire()
-
-        def work(r=r, res=res):
-            try:
-                run_one(r, res)
-            except Exception as exc:   # recorded, reported as an error count
-                res.error = repr(exc)
-            finally:
-                slots.release()
-        th = threading.Thread(target=work, daemon=True)
-        th.start()
-        threads.append(th)
-    for th in threads:
-        th.join()
+            await asyncio.sleep(delay)
+        await slots.acquire()
+        tasks.append(asyncio.create_task(guarded(r, res)))
+    await asyncio.gather(*tasks)
     return results
 
 
@@ -73,9 +73,6 @@ async def _run_triton_async(grpc_url: str, requests: list[Request], concurrency:
     from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
-    t0 = time.time() + 0.5
-    results = [Result(r.idx, t0 + r.arrival_s) for r in requests]
-    slots = asyncio.Semaphore(concurrency)
 
     def infer_request(r: Request) -> "service_pb2.ModelInferRequest":
         req = service_pb2.ModelInferRequest(model_name=model, id=str(r.idx))
@@ -88,40 +85,31 @@ async def _run_triton_async(grpc_url: str, requests: list[Request], concurrency:
             req.parameters["llm_priority"].int64_param = 1
         return req
 
-    async def one(stub, r: Request, res: Result) -> None:
-        call = stub.ModelStreamInfer(metadata=metadata)
-        try:
-            await call.write(infer_request(r))
-            async for response in call:
-                if response.error_message:
-                    raise RuntimeError(response.error_message)
-                t = time.time()
-                result = InferResult(response.infer_response)
-                res.token_times += [t] * result.as_numpy("output_ids").size
-                if result.as_numpy("finish_reason")[0]:
-                    res.prompt, res.cached, res.n_tokens = result.as_numpy("usage").tolist()
-                    return
-            raise RuntimeError("stream ended without a final response")
-        except Exception as exc:   # recorded, reported as an error count
-            res.error = repr(exc)
-        finally:
-            call.cancel()
-            slots.release()
-
     async with grpc.aio.insecure_channel(grpc_url, options=[("grpc.max_receive_message_length", 1 << 26)]) as ch:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
-        tasks = []
-        for r, res in zip(requests, results):
-            delay = res.arrival - time.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            await slots.acquire()
-            tasks.append(asyncio.create_task(one(stub, r, res)))
-        await asyncio.gather(*tasks)
-    return results
+
+        async def one(r: Request, res: Result) -> None:
+            call = stub.ModelStreamInfer(metadata=metadata)
+            try:
+                await call.write(infer_request(r))
+                async for response in call:
+                    if response.error_message:
+                        raise RuntimeError(response.error_message)
+                    t = time.time()
+                    result = InferResult(response.infer_response)
+                    res.token_times += [t] * result.as_numpy("output_ids").size
+                    if result.as_numpy("finish_reason")[0]:
+                        res.prompt, res.cached, res.n_tokens = result.as_numpy("usage").tolist()
+                        return
+                raise RuntimeError("stream ended without a final response")
+            finally:
+                call.cancel()
+
+        return await _dispatch(requests, concurrency, one)
 
 
 def run_llama_server(url: str, requests: list[Request], concurrency: int) -> list[Result]:
+    """llama-server's HTTP streaming, one blocking client thread per request in flight."""
     def run_one(r: Request, res: Result) -> None:
         body = json.dumps({"prompt": r.prompt_ids, "n_predict": r.max_tokens, "stream": True, "ignore_eos": True,
                            "temperature": 0.0, "cache_prompt": True}).encode()
@@ -141,7 +129,13 @@ def run_llama_server(url: str, requests: list[Request], concurrency: int) -> lis
                     res.prompt = len(r.prompt_ids)
                     return
 
-    return _dispatch(requests, concurrency, run_one, time.time() + 0.5)
+    async def run() -> list[Result]:
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+            return await _dispatch(requests, concurrency,
+                                   lambda r, res: loop.run_in_executor(pool, run_one, r, res))
+
+    return asyncio.run(run())
 
 
 def hf_worker(weights_dir: str, requests: list[Request], batch_size: int, dtype: str = "bf16",
