@@ -105,14 +105,14 @@ def test_chaos_no_caller_waits_past_its_deadline_and_every_token_is_billed_once(
         client = grpcaio.InferenceServerClient(stack.grpc_url)
         deadline_ms = int((time.time() + DEADLINE_S) * 1000)
         progress = {"tokens": 0}
-        started: set[int] = set()
+        streaming: set[int] = set()      # streams that have their first token
 
         async def on_token(i, so_far):
             progress["tokens"] += 1
-            started.add(i)
+            streaming.add(i)
             # chaos once every stream runs (has its first token) and 12 tokens went out: a stream still
             # waiting for its first token on the replica about to hang would wait out its first-token timeout
-            if done_chaos or progress["tokens"] < 12 or len(started) < 6:
+            if done_chaos or progress["tokens"] < 12 or len(streaming) < 6:
                 return
             done_chaos.append("started")
             busy = sorted({r["replica_id"] for r in stack.fleet()["replicas"] if r["inflight"] > 0})
