@@ -12,6 +12,7 @@ The GPU mode is bench/engine/gpu_bench.py.
 
     python -m bench.engine.bench_engine                        # burst at 32, Poisson at 32, 8, 1
     python -m bench.engine.bench_engine --workloads burst --concurrency 32 --systems platform,engine,hf,llama
+    python -m bench.engine.bench_engine --repeats 3             # systems take turns, 3 runs each, medians count
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from bench.engine.peers import Result, run_llama_server, run_triton, summarize
+from bench.engine.peers import Result, combine_runs, run_llama_server, run_triton, summarize
 from bench.engine.report_doc import cpu_section, replace_subsection
 from bench.engine.workload import Request, make_burst, make_workload
 from common.processes import free_port, stop_pid, throwaway_platform_env, wait_until
@@ -293,12 +294,16 @@ def main() -> None:
                         help="our engine's tokens per streamed response under load (0 = the engine's default)")
     parser.add_argument("--output-max", type=int, default=256, help="longest output (smoke runs: smaller)")
     parser.add_argument("--prompt-max", type=int, default=1000, help="longest prompt (smoke runs: smaller)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every system at every level, taking turns; the median counts")
     parser.add_argument("--doc-from", type=Path, help="only re-render docs/benchmarks.md from a results JSON")
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
     parser.add_argument("--hf-batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--hf-out", help=argparse.SUPPRESS)
     parser.add_argument("--hf-workload", default="poisson", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1 (got {args.repeats})")
     if args.hf_worker:
         from dataclasses import asdict
 
@@ -328,7 +333,7 @@ def main() -> None:
               "cpu_matmul": cpu_matmul_kind(args.cpu_matmul, torch.bfloat16, torch.device("cpu"))
               if args.dtype == "bf16" else "", "hf_dtype": hf_dtype(args.hf_dtype),
               "levels": list(levels), "requests": args.requests, "requests_c1": args.requests_c1,
-              "rate": args.rate, "threads": args.threads,
+              "rate": args.rate, "threads": args.threads, "repeats": args.repeats,
               "stream_interval": args.stream_interval or "default", "systems": {}}
     report["requests_per_level"] = {k: len(w) for k, (_, w) in levels.items()}
     systems = args.systems.split(",")
@@ -342,13 +347,20 @@ def main() -> None:
     report["command"] = command.strip()
     # level by level, every system at one level before the next, written after each level: a long run
     # that is stopped early still leaves complete comparisons
+    # With --repeats, the systems take turns (the order rotates each round) and each result is the median of
+    # its runs (peers.combine_runs): a slow minute on a shared VM then falls on every system alike.
     for key, level in levels.items():
+        runs: dict[str, list[dict]] = {system: [] for system in systems}
+        for round_ in range(args.repeats):
+            shift = round_ % len(systems)
+            for system in systems[shift:] + systems[:shift]:
+                # the previous system's replica may still be exiting; its cores must be free before the next
+                wait_until(lambda: not tritonserver_running(), 60,
+                           "no tritonserver left on this host (the benchmark runs alone: stop `make up` and other "
+                           "benchmarks first)")
+                runs[system].append(runners[system]({key: level})[key])
         for system in systems:
-            # the previous system's replica may still be exiting; its cores must be free before the next
-            wait_until(lambda: not tritonserver_running(), 60,
-                       "no tritonserver left on this host (the benchmark runs alone: stop `make up` and other "
-                       "benchmarks first)")
-            report["systems"].setdefault(system, {}).update(runners[system]({key: level}))
+            report["systems"].setdefault(system, {})[key] = combine_runs(runs[system])
         path.write_text(json.dumps(report, indent=2))
         write_doc(report, command.strip())
     print(f"wrote {path} and docs/benchmarks.md")

@@ -201,3 +201,25 @@ def summarize(results: list[Result]) -> dict:
             "prompt_tokens": sum(r.prompt for r in ok),
             "cached_prompt_tokens": sum(r.cached for r in ok),
             "first_error": next((r.error for r in results if r.error), "")}
+
+
+def combine_runs(runs: list[dict]) -> dict:
+    """One system's repeated runs of one level -> one result: the median of each numeric metric, the run-by-run
+    throughputs (`throughput_tok_s_runs`, in run order, so ratios can be paired run by run with a peer's) and
+    the errors of all runs added up. On a noisy VM a single run of the same system varied by +-15 % within
+    minutes; the median of interleaved runs is what the ratios are taken from."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    for name, value in runs[0].items():
+        values = [r.get(name) for r in runs]
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and None not in values:
+            out[name] = float(np.median(values))
+    out["errors"] = sum(r["errors"] for r in runs)
+    out["first_error"] = next((r["first_error"] for r in runs if r["first_error"]), "")
+    out["load_avg_before"] = [r.get("load_avg_before") for r in runs]
+    out["cpu_busy_before"] = max(r.get("cpu_busy_before") or 0.0 for r in runs)
+    out["runs"] = len(runs)
+    out["throughput_tok_s_runs"] = [r["throughput_tok_s"] for r in runs]
+    out["ttft_ms_p95_runs"] = [r["ttft_ms_p95"] for r in runs]
+    return out

@@ -36,6 +36,23 @@ def _f(v, d: int = 0) -> str:
     return "-" if v is None else f"{v:.{d}f}"
 
 
+def _tok_s(s: dict) -> str:
+    """Throughput; with repeated runs, the median and the range of the runs."""
+    runs = s.get("throughput_tok_s_runs")
+    if not runs or len(runs) < 2:
+        return _f(s["throughput_tok_s"], 1)
+    return f"{_f(s['throughput_tok_s'], 1)} ({min(runs):.0f}-{max(runs):.0f})"
+
+
+def _paired_range(ours: dict, peer: dict) -> str:
+    """With repeated runs, the range of the run-by-run ratios (round k of ours over round k of the peer)."""
+    a, b = ours.get("throughput_tok_s_runs"), peer.get("throughput_tok_s_runs")
+    if not a or not b or len(a) != len(b) or len(a) < 2 or not all(b):
+        return ""
+    ratios = [x / y for x, y in zip(a, b)]
+    return f" (rounds {min(ratios):.2f}-{max(ratios):.2f}x)"
+
+
 def cpu_section(report: dict, command: str) -> str:
     rows = ["| workload | concurrency | system | tok/s | TTFT p50 ms | TTFT p95 ms | TPOT p50 ms | TPOT p95 ms | "
             "ITL p50 ms | peak RSS MB | load avg before | CPU busy before % |",
@@ -46,7 +63,7 @@ def cpu_section(report: dict, command: str) -> str:
         for system in ("platform", "engine", "hf", "llama"):
             s = report["systems"].get(system, {}).get(key)
             if s:
-                rows.append(f"| {kind} | {conc} | {system} | {_f(s['throughput_tok_s'], 1)} | {_f(s['ttft_ms_p50'])} | "
+                rows.append(f"| {kind} | {conc} | {system} | {_tok_s(s)} | {_f(s['ttft_ms_p50'])} | "
                             f"{_f(s['ttft_ms_p95'])} | {_f(s.get('tpot_ms_p50'), 1)} | {_f(s.get('tpot_ms_p95'), 1)} | "
                             f"{_f(s['itl_ms_p50'], 1)} | "
                             f"{_f(s.get('peak_rss_mb'))} | {s.get('load_avg_before', '-')} | {_f(s.get('cpu_busy_before'))} |")
@@ -56,7 +73,8 @@ def cpu_section(report: dict, command: str) -> str:
             for peer in ("hf", "llama"):
                 p = report["systems"].get(peer, {}).get(key)
                 if o and p and p["throughput_tok_s"]:
-                    parts.append(f"{ours} throughput {o['throughput_tok_s'] / p['throughput_tok_s']:.2f}x {peer}")
+                    parts.append(f"{ours} throughput {o['throughput_tok_s'] / p['throughput_tok_s']:.2f}x {peer}"
+                                 + _paired_range(o, p))
                     if p.get("ttft_ms_p95"):
                         parts.append(f"{ours} TTFT p95 {o['ttft_ms_p95'] / p['ttft_ms_p95']:.2f}x {peer}")
             metric = "tpot" if o and o.get("tpot_ms_p50") else "itl"   # results from before TPOT: ITL
@@ -90,7 +108,9 @@ def cpu_section(report: dict, command: str) -> str:
                       f"{report['rate']}/s, dtype {report['dtype']} (our CPU GEMMs: "
                       f"{report.get('cpu_matmul') or 'as the dtype'}; transformers: "
                       f"{report.get('hf_dtype', report['dtype'])}), {report['threads']} CPU thread(s) per system, our engine's "
-                      f"stream_interval {report.get('stream_interval', 1)}.",
+                      f"stream_interval {report.get('stream_interval', 1)}" + (
+                          f"; {report['repeats']} runs per system and level, taking turns, medians shown (range of "
+                          f"the runs in brackets)." if report.get("repeats", 1) > 1 else "."),
                       "", *rows, "", *notes, "", f"Raw results: `{report['path']}`"])
 
 
