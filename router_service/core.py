@@ -28,7 +28,7 @@ from router_service.replica_state import ReplicaStateTable
 from router_service.replica_set import ReplicaSet
 from router_service.request import Finished, GenerateRequest, Prepared, TokenDelta
 from router_service.rollout import VersionReadiness
-from router_service.stream_guard import DeadlineReached, ReplicaHung, ResumeText, StreamTimeouts, guarded
+from router_service.stream_guard import DeadlineReached, ReplicaHung, StreamText, StreamTimeouts, guarded
 from router_service.tokenization import TokenizerCache
 from router_service.upstream import Preempted, ReplicaClient, ReplicaFailed
 from router_service.visibility import resolve_model
@@ -235,7 +235,7 @@ class Router:
         replica_id, status, placement = "", "error", p.placement
         cached_tokens = 0
         kills: list[str] = []  # replicas that died or hung while streaming this request
-        text = ResumeText()
+        text = StreamText()
         ledger = open_ledger_entry(self.usage, p)
         if req.tier == "interactive":
             self.batch_yield.interactive_started(key)
@@ -261,11 +261,13 @@ class Router:
                     p.handle.preempted = False
                     self.batch_yield.batch_started(key, p.handle)
                 try:
-                    if emitted:  # a resume (after a failure or a preemption)
-                        self._resume_text(p, text, emitted)
-                    upstream = self.client_for(placement.replica).generate(
+                    client = self.client_for(placement.replica)
+                    direct = await client.serves_engine()
+                    if emitted or direct:  # a resume, or a replica that streams ids only: the router decodes
+                        await self._decode_text_here(p, text, emitted)
+                    upstream = client.generate(
                         req, p.prompt_ids + emitted, req.max_tokens - len(emitted), p.handle,
-                        seed_offset=len(emitted) if req.seed is not None else 0)
+                        seed_offset=len(emitted) if req.seed is not None else 0, direct=direct and text.decoding)
                     async with aclosing(guarded(upstream, self.timeouts.first_token_s[req.tier],
                                                 self.timeouts.inter_token_s[req.tier], req.deadline_ms)) as items:
                         async for item in items:
@@ -348,12 +350,15 @@ class Router:
             # shielded: a second cancellation while it is written does not leave the lease unsettled
             await asyncio.shield(self.quotas.settle_off_loop(p.req.request_id, len(p.prompt_ids) + len(emitted)))
 
-    def _resume_text(self, p: Prepared, text: ResumeText, emitted: list[int]) -> None:
-        """From the first resume on, the router decodes the stream's text itself (see ResumeText)."""
+    async def _decode_text_here(self, p: Prepared, text: StreamText, emitted: list[int]) -> None:
+        """From here on the router decodes the stream's text itself (see StreamText)."""
+        uri = p.model.weights_uri
         try:
-            text.resume(self.tokenizers.get(p.model.weights_uri), emitted)
-        except Exception as exc:  # no tokenizer here: fall back to the replica's text
-            log.warning("resume of %s keeps the replica's text (no tokenizer: %s)", p.req.request_id, exc)
+            tokenizer = (self.tokenizers.get(uri) if self.tokenizers.loaded(uri)
+                         else await asyncio.to_thread(self.tokenizers.get, uri))
+            text.decode_from(tokenizer, emitted)
+        except Exception as exc:  # no tokenizer here: keep the replica's text (its ensemble, not `engine`)
+            log.warning("%s keeps the replica's text (no tokenizer here: %s)", p.req.request_id, exc)
 
     def _finished(self, p: Prepared, reason: str, emitted: list[int], replica_id: str, cached: int) -> Finished:
         return Finished(reason, len(p.prompt_ids), cached, len(emitted), p.model.name, p.model.version, replica_id)

@@ -96,11 +96,13 @@ async def guarded(items: AsyncIterator, first_s: float, inter_s: float,
         await items.aclose()
 
 
-class ResumeText:
-    """Exact text across resumes. A replica holds back the bytes of an unfinished multi-byte character
-    until its next token; if it dies then, a new replica (whose detokenizer starts at the resume point)
-    would turn the rest of that character into U+FFFD. So after the first resume the router decodes the
-    text itself from *all* the ids of the stream and ignores the replicas' text."""
+class StreamText:
+    """The text a stream's caller receives. By default the replica's (its ensemble detokenizes); the router
+    decodes it itself from the ids (`decode_from`) when the replica streams ids only (a CPU replica's engine
+    called directly) and from a stream's first resume on: a replica holds back the bytes of an unfinished
+    multi-byte character until its next token; if it dies then, a new replica (whose detokenizer starts at the
+    resume point) would turn the rest of that character into U+FFFD, so after a resume the router decodes the
+    text from *all* the ids of the stream and ignores the replicas' text."""
 
     def __init__(self) -> None:
         self.sent_chars = 0
@@ -108,9 +110,15 @@ class ResumeText:
         self.skip = 0       # chars the router's decoder has yet to produce that the caller already has
         self.carry = ""     # text the router's decoder produced that the caller does not have yet
 
-    def resume(self, tokenizer, emitted: list[int]) -> None:
+    @property
+    def decoding(self) -> bool:
+        """Whether the router decodes this stream's text itself (from now on)."""
+        return self.detok is not None
+
+    def decode_from(self, tokenizer, emitted: list[int]) -> None:
+        """Decode the text here from now on; `emitted` = the ids the caller has had text for so far."""
         if self.detok is not None:
-            return  # already decoding ourselves since an earlier resume: the state carries on
+            return  # already decoding ourselves: the state carries on
         self.detok = IncrementalDetokenizer(getattr(tokenizer, "backend_tokenizer", tokenizer))
         produced = self.detok.add(list(emitted))
         self.skip = max(0, self.sent_chars - len(produced))

@@ -33,6 +33,11 @@ from router_service.request import TIER_INDEX, Finished, GenerateRequest, TokenD
 log = logging.getLogger(__name__)
 ENSEMBLE = "llm"
 OUTPUTS = ("text_output", "output_ids", "finish_reason", "usage")
+# A CPU replica's engine model, called directly: it streams token ids only and the router decodes the text
+# (stream_guard.StreamText), so each response skips the ensemble's hop through the detokenizing
+# `postprocessing` model (another Python process) on the cores that run the model.
+ENGINE = "engine"
+ENGINE_OUTPUTS = ("output_ids", "finish_reason", "usage")
 # TensorRT-LLM's PeftCacheManager: "LoRA task <id> not found in cache. Please send LoRA weights with request"
 LORA_NOT_CACHED = re.compile(r"LoRA task \d+ not found in cache")
 
@@ -86,7 +91,8 @@ def _decode(result) -> tuple[str, list[int], str, list[int]]:
     if not resp.outputs:
         return "", [], "", [0, 0, 0]
     if len(raw) != len(resp.outputs):
-        return (result.as_numpy("text_output").reshape(-1)[0].decode("utf-8"),
+        text = result.as_numpy("text_output")
+        return (text.reshape(-1)[0].decode("utf-8") if text is not None else "",
                 result.as_numpy("output_ids").reshape(-1).tolist(),
                 result.as_numpy("finish_reason").reshape(-1)[0].decode(),
                 result.as_numpy("usage").reshape(-1).tolist() if result.as_numpy("usage") is not None else [0, 0, 0])
@@ -95,7 +101,7 @@ def _decode(result) -> tuple[str, list[int], str, list[int]]:
     usage.frombytes(out.get("usage", b""))
     ids = array("i")
     ids.frombytes(out.get("output_ids", b""))
-    return (out["text_output"][4:].decode("utf-8"), ids.tolist(), out.get("finish_reason", b"")[4:].decode(),
+    return (out.get("text_output", b"")[4:].decode("utf-8"), ids.tolist(), out.get("finish_reason", b"")[4:].decode(),
             usage.tolist() or [0, 0, 0])
 
 
@@ -110,12 +116,23 @@ class ReplicaClient:
         self.replica_id = replica_id
         self.client = grpcclient.InferenceServerClient(grpc_url)
         self.lora_sent: set[str] = set()  # adapters whose weights this replica was asked to load
+        self.engine_direct: bool | None = None  # serves model `engine` (a CPU replica); asked once
 
     async def close(self) -> None:
         await self.client.close()
 
+    async def serves_engine(self) -> bool:
+        """Whether this replica serves our engine model, which the router then calls directly (GPU replicas
+        serve TensorRT-LLM behind the ensemble only). Asked once per replica; unanswered = not yet known."""
+        if self.engine_direct is None:
+            try:
+                self.engine_direct = bool(await self.client.is_model_ready(ENGINE, client_timeout=2.0))
+            except InferenceServerException:
+                return False
+        return self.engine_direct
+
     def _open(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int, done: asyncio.Event, lora_load: bool,
-              seed_offset: int = 0):
+              seed_offset: int = 0, direct: bool = False):
         params = {"llm_priority": TIER_INDEX[req.tier], "deadline_ms": int(req.deadline_ms or 0)}
         if lora_load:
             params["lora_load"] = True
@@ -124,8 +141,9 @@ class ReplicaClient:
         if seed_offset:  # a resumed seeded stream: the engine continues the random stream at this step
             params["seed_offset"] = seed_offset
         request = _get_inference_request(
-            model_name=ENSEMBLE, inputs=build_inputs(req, prompt_ids, max_tokens), model_version="",
-            request_id=req.request_id, outputs=[InferRequestedOutput(name) for name in OUTPUTS], sequence_id=0,
+            model_name=ENGINE if direct else ENSEMBLE, inputs=build_inputs(req, prompt_ids, max_tokens),
+            model_version="", request_id=req.request_id,
+            outputs=[InferRequestedOutput(name) for name in (ENGINE_OUTPUTS if direct else OUTPUTS)], sequence_id=0,
             sequence_start=False, sequence_end=False, priority=0, timeout=None, parameters=params)
         # tritonclient's stream_infer refuses `triton_`-prefixed parameters, so the request is built with its
         # own helper and Triton's switch for the empty final response is set here.
@@ -137,8 +155,10 @@ class ReplicaClient:
         return self.client._client_stub.ModelStreamInfer(requests())
 
     async def generate(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int,
-                       handle: CancelHandle | None = None, seed_offset: int = 0) -> AsyncIterator[TokenDelta | Finished]:
-        """Stream deltas then one Finished; raises ReplicaFailed if the replica breaks the stream.
+                       handle: CancelHandle | None = None, seed_offset: int = 0,
+                       direct: bool = False) -> AsyncIterator[TokenDelta | Finished]:
+        """Stream deltas then one Finished; raises ReplicaFailed if the replica breaks the stream. `direct`:
+        call the replica's `engine` model (see serves_engine); its deltas then carry ids and no text.
 
         Closing this generator early (caller cancel) cancels the upstream call, so the engine frees the
         sequence's KV blocks at once. `handle.cancel()` (cancel by id) does the same from elsewhere and
@@ -149,21 +169,21 @@ class ReplicaClient:
         if lora_load:
             metrics.LORA_WEIGHT_SENDS.labels(self.replica_id, "first").inc()
         try:
-            async for item in self._attempt(req, prompt_ids, max_tokens, handle, lora_load, seed_offset):
+            async for item in self._attempt(req, prompt_ids, max_tokens, handle, lora_load, seed_offset, direct):
                 yield item
         except LoraNotCached:
             log.info("replica %s no longer caches adapter %s: sending its weights again", self.replica_id, adapter)
             metrics.LORA_WEIGHT_SENDS.labels(self.replica_id, "not_cached").inc()
-            async for item in self._attempt(req, prompt_ids, max_tokens, handle, True, seed_offset):
+            async for item in self._attempt(req, prompt_ids, max_tokens, handle, True, seed_offset, direct):
                 yield item
 
     async def _attempt(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int,
                        handle: CancelHandle | None, lora_load: bool,
-                       seed_offset: int = 0) -> AsyncIterator[TokenDelta | Finished]:
+                       seed_offset: int = 0, direct: bool = False) -> AsyncIterator[TokenDelta | Finished]:
         done = asyncio.Event()
         if lora_load:
             self.lora_sent.add(req.adapter)
-        stream = self._open(req, prompt_ids, max_tokens, done, lora_load, seed_offset)
+        stream = self._open(req, prompt_ids, max_tokens, done, lora_load, seed_offset, direct)
         if handle is not None:
             handle.upstream = stream
             if handle.cancelled or handle.preempted:

@@ -1,8 +1,8 @@
 """StreamCoalescer: under load, send a stream's tokens a few at a time instead of one response per token.
 
-Every streamed response costs CPU all along the path - the Python backend's IPC `send`, Triton's ensemble
-hop and detokenizing postprocessing model, the router, the client - on the same cores that run the model's
-step. With many streams, that is one response per stream per step. While a step has at least `min_rows`
+Every streamed response costs CPU all along the path - the Python backend's IPC `send`, tritonserver, the
+router, the client (and, for callers of the ensemble `llm`, its detokenizing postprocessing model) - on the
+same cores that run the model's step. With many streams, that is one response per stream per step. While a step has at least `min_rows`
 rows, a stream's tokens are held until `interval` have gathered (vLLM's `stream_interval` does the same);
 tokens/s rises and the stream arrives in small chunks. Never held: a stream's first tokens (TTFT is not
 delayed), its final output, the interactive tier (smooth streaming is what it pays for), and anything once

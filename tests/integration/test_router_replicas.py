@@ -12,7 +12,10 @@ import httpx
 import pytest
 import tritonclient.grpc.aio as grpcaio
 
+from common import processes
 from common.processes import wait_until
+from common.settings import load_settings
+from common.text import load_tokenizer
 from tests.integration.router_client import CHATML, p95, stream_once
 from tests.integration.router_stack import RouterStack
 
@@ -150,6 +153,49 @@ def test_overload_sheds_batch_and_keeps_interactive_ttft(stack):
     metrics = stack.metrics()
     assert 'fleet_router_preemptions_total{model="smollm2-135m"}' in metrics
     assert 'fleet_router_shed_total{model="smollm2-135m",reason="queue_full",tier="batch"}' in metrics
+
+
+def _replicas(stack) -> dict[str, dict]:
+    return {p["replica_id"]: p for p in processes.running(stack.settings) if p.get("kind") == "replica"}
+
+
+def _inference_counts(stack) -> dict[str, dict[str, int]]:
+    """Per replica: successful inferences of its `engine` and `postprocessing` models (Triton's statistics)."""
+    counts = {}
+    for rid, info in _replicas(stack).items():
+        counts[rid] = {}
+        for model in ("engine", "postprocessing"):
+            stats = httpx.get(f"{info['http_url']}/v2/models/{model}/stats", timeout=5).json()
+            counts[rid][model] = stats["model_stats"][0]["inference_stats"]["success"]["count"]
+    return counts
+
+
+def test_cpu_replicas_are_called_at_engine_and_the_router_decodes_the_text(stack):
+    """The router calls a CPU replica's `engine` model directly, not its `llm` ensemble (whose every response
+    takes a hop through the detokenizing `postprocessing` model), and decodes the text itself: the caller gets
+    the same ids and text as from the replica's own ensemble, multi-byte characters included."""
+    tok = load_tokenizer(load_settings().cache_dir / "smollm2-135m-bf16")
+    prompt = tok.encode(CHATML.format(q="Translate 'thank you' into Japanese, Greek and French."),
+                        add_special_tokens=False).ids
+    before = _inference_counts(stack)
+    routed = _run(_one(stack, prompt, 48, tier="interactive"))
+    after = _inference_counts(stack)
+    assert routed.error is None and routed.ids, routed.error
+    served = [rid for rid in after if after[rid]["engine"] > before[rid]["engine"]]
+    assert len(served) == 1 and after[served[0]]["engine"] == before[served[0]]["engine"] + 1
+    assert all(after[rid]["postprocessing"] == before[rid]["postprocessing"] for rid in after)
+
+    async def ensemble():
+        client = grpcaio.InferenceServerClient(_replicas(stack)[served[0]]["grpc_url"])
+        try:
+            return await stream_once(client, "llm", prompt, 48, api_key="")
+        finally:
+            await client.close()
+    own = _run(ensemble())
+    assert own.error is None, own.error
+    assert routed.ids == own.ids and routed.text == own.text
+    assert any(ord(ch) > 127 for ch in routed.text), routed.text   # multi-byte characters came through whole
+    assert "\ufffd" not in routed.text
 
 
 def test_replica_killed_mid_stream_resumes_with_identical_text(stack):
