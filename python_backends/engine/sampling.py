@@ -38,7 +38,7 @@ def _generator(seq: Sequence, device: torch.device, ahead: int = 0) -> torch.Gen
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits: fp32 [len(seqs), vocab] on any device; returns one token id per sequence."""
+    """logits: [len(seqs), vocab] (fp32, or the model's compute dtype) on any device; one token id per sequence."""
     return sample_on_device(logits, seqs).tolist()
 
 
@@ -53,7 +53,7 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0)
     dev = logits.device
     sub = [seqs[r] for r in random_rows]
     rows = torch.tensor(random_rows, device=dev)
-    x = logits.index_select(0, rows)
+    x = logits.index_select(0, rows).float()   # the forward's logits may be bf16: sample in fp32
     n, vocab = x.shape
     params = torch.tensor([[s.params.temperature, s.params.top_k if 0 < s.params.top_k < vocab else vocab,
                             s.params.top_p if 0.0 < s.params.top_p < 1.0 else 1.0] for s in sub],

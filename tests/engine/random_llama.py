@@ -57,4 +57,4 @@ def prefill_logits(engine: LLMEngine, prompt: list[int], lora_slot: int = -1) ->
     batch = runner.prepare([SeqChunk(prompt, 0, list(range(1, 1 + -(-len(prompt) // runner.block_size))), True,
                                      lora_slot)])
     batch.logits_rows = torch.arange(len(prompt), device=runner.device)
-    return runner.forward(batch)
+    return runner.forward(batch).float()

@@ -59,3 +59,17 @@ def test_seeded_rows_reproducible_whatever_shares_the_batch():
     assert alone == mixed
     c = _seq(temperature=1.0, seed=12)
     assert [sample(logits[:1], [c])[0] for _ in range(5)] != alone
+
+
+def test_bf16_logits_give_the_ids_of_their_fp32_cast():
+    """The forward hands over bf16 logits on bf16 models (no fp32 copy of the whole vocabulary per step): greedy
+    rows, ties included, and seeded sampled rows pick what they would from the same values cast to fp32."""
+    torch.manual_seed(1)
+    logits = torch.randn(5, 2000).to(torch.bfloat16)
+    logits[0, 17] = logits[0, 1500] = logits[0].max() + 1      # a tie: the first index wins in both
+    kinds = [dict(), dict(), dict(temperature=0.8, seed=5), dict(temperature=1.0, top_p=0.9, seed=6),
+             dict(temperature=1.2, top_k=40, seed=7)]
+    got = sample(logits, [_seq(**kw) for kw in kinds])
+    want = sample(logits.float(), [_seq(**kw) for kw in kinds])
+    assert got == want
+    assert got[0] == 17 and got[1] == int(logits[1].float().argmax())
