@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml scripts/install.sh | sha1sum | cut -c1-12)
 
-.PHONY: install up down status test test-fast bench clean
+.PHONY: install kernels up down status test test-fast bench clean
 
 install: $(STAMP)
 
@@ -14,7 +14,11 @@ $(STAMP): pyproject.toml scripts/install.sh
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
-up: install
+# the engine's fused CPU kernels: built once per source and machine, a no-op (~2 s) when up to date
+kernels: install
+	@$(PY) -m python_backends.engine.cpu_kernels || echo "fused CPU kernels not built; the engine uses torch ops"
+
+up: kernels
 	$(PY) -m fleet.cli up
 
 down:
@@ -23,7 +27,7 @@ down:
 status: install
 	$(PY) -m fleet.cli status
 
-test: install
+test: kernels
 	$(PY) -m pytest -q -rs --durations=20
 
 bench: install

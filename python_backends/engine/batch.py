@@ -38,6 +38,8 @@ class ForwardBatch:
     decode_groups: list[DecodeGroup] = field(default_factory=list)  # CPU: decode rows by context length
     decode_order: torch.Tensor | None = None   # CPU, several groups: row i of the output is row order[i] of the
                                                # groups' outputs concatenated
+    decode_tables: torch.Tensor | None = None   # CPU kernels: [decode rows, max blocks] block tables
+    decode_lens: torch.Tensor | None = None     # CPU kernels: [decode rows] keys per row
     prefill_blocks: torch.Tensor | None = None  # CPU: pool rows of all prefill chunks' blocks per KV head
     prefill_mask: torch.Tensor | None = None    # CPU: [prefill tokens, keys]
 

@@ -34,7 +34,9 @@ class EngineConfig:
     small_step_threads: int = 0         # CPU: threads for steps of <= small_step_max_rows rows (0 = `threads`;
     small_step_max_rows: int = 4        # replicas on shared cores get 1), see device.CpuThreads
     cpu_matmul: str = "auto"            # bf16 on CPU: auto | bf16 | fp16 | fp32 | int8, see device.cpu_matmul_kind
-    cpu_decode_attention: str = "auto"  # CPU: auto (timed at start) | sdpa | matmul, see cpu_attention
+    cpu_decode_attention: str = "auto"  # CPU: auto (the kernels' paged attention, else timed at start) | sdpa
+                                        # | matmul, see cpu_attention
+    cpu_kernels: str = "auto"           # CPU: fused kernels, auto (where they build) | on | off, see cpu_kernels
     cuda_graphs: int = 1                # CUDA: replay decode steps from graphs captured per batch bucket
     async_decode: int = 0               # 1: launch decode step N+1 before step N's ids reach the host (host
                                         # work overlaps the device); off by default: see docs/engine.md

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from python_backends.engine import cpu_attention, paged_attention
+from python_backends.engine import cpu_attention, cpu_kernels, paged_attention
 from python_backends.engine.batch import DecodeGroup, ForwardBatch, SeqChunk
 from python_backends.engine.device import PackedLinear, Staging, cpu_matmul_kind, kv_blocks_for_memory
 from python_backends.engine.lora import LoraManager
@@ -53,9 +53,9 @@ class ModelRunner:
     def __init__(self, weights_dir: Path, dtype: str, num_blocks: int, block_size: int, max_context: int,
                  lora: LoraManager | None = None, cpu_matmul: str = "auto",
                  device: torch.device | str = "cpu", state_dict: dict[str, torch.Tensor] | None = None,
-                 kv_memory_fraction: float = 0.85, cpu_decode_attention: str = "auto"):
+                 kv_memory_fraction: float = 0.85, cpu_decode_attention: str = "auto", cpu_kernels_setting: str = "auto"):
         """num_blocks 0 = as many as kv_memory_fraction of the free memory holds; state_dict replaces
-        model.safetensors (benchmarks on random weights)."""
+        model.safetensors (benchmarks on random weights); cpu_kernels_setting: auto | on | off (cpu_kernels.py)."""
         cfg = read_model_config(weights_dir)
         self.device = torch.device(device)
         # dtype names the weights' precision; self.dtype is the compute dtype (see precision)
@@ -94,7 +94,14 @@ class ModelRunner:
             c[:, :, :block_size].zero_()
             c[:, :, num_blocks * block_size:].zero_()
         self.paged = self.device.type == "cuda" and paged_attention.available()
-        self.decode_attention = None if self.paged else cpu_attention.choose(
+        # CPU: fused kernels (norms, RoPE + K/V write, SiLU * up) and, unless a torch decode attention is named,
+        # decode attention reading the pool in place; without them (or on CUDA) torch ops
+        self.kernels = cpu_kernels.resolve(cpu_kernels_setting, self.device)
+        self.cpu_paged = self.kernels is not None and cpu_decode_attention == "auto"
+        if self.device.type == "cpu":
+            log.info("CPU step: %s, decode attention %s", "fused kernels" if self.kernels else "torch ops",
+                     "in place over the pool (kernel)" if self.cpu_paged else f"{cpu_decode_attention} over gathered blocks")
+        self.decode_attention = None if self.paged or self.cpu_paged else cpu_attention.choose(
             cpu_decode_attention, self.dtype, self.n_heads, self.n_kv, self.head_dim, self.device)
         self.zeroed_blocks: set[int] = {0}                # CPU path: blocks whose unwritten slots are zero
         self.pool_blocks = num_blocks + 1                 # blocks per (layer, kv head) in the pool, scratch included
@@ -228,7 +235,13 @@ class ModelRunner:
                 self.k_cache[:, :, last * bs:(last + 1) * bs].zero_()
                 self.v_cache[:, :, last * bs:(last + 1) * bs].zero_()
                 self.zeroed_blocks.add(last)
-        if n_decode:
+        if n_decode and self.cpu_paged:
+            # the kernel reads each row's own blocks up to its own length: no gather, no padding, no groups
+            tables = [c.block_table for c in chunks[:n_decode]]
+            width = max(len(t) for t in tables)
+            batch.decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+            batch.decode_lens = torch.tensor([c.start + 1 for c in chunks[:n_decode]], dtype=torch.long)
+        elif n_decode:
             lens = [c.start + 1 for c in chunks[:n_decode]]
             blocks = [-(-ln // bs) for ln in lens]
             groups = cpu_attention.group_by_length(blocks)
@@ -312,7 +325,10 @@ class ModelRunner:
                                                    self.block_size).view(T, H * D)
         outs = []
         nd = batch.n_decode
-        if nd:
+        if nd and self.cpu_paged:
+            outs.append(self.kernels.decode_attention(q[:nd].view(nd, H * D), kc, vc, batch.decode_tables,
+                                                      batch.decode_lens, self.block_size, D ** -0.5))
+        elif nd:
             parts = []
             for group in batch.decode_groups:
                 qg = q[:nd] if group.rows is None else q[:nd].index_select(0, group.rows)
@@ -343,9 +359,11 @@ class ModelRunner:
         return self.forward_eager(batch)
 
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        x = F.embedding(batch.input_ids, self.embed)
+        if self.kernels is not None:
+            return self._forward_fused(x, batch)
         T = batch.input_ids.shape[0]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        x = F.embedding(batch.input_ids, self.embed)
         cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
         sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
         for li, L in enumerate(self.layers):
@@ -364,4 +382,26 @@ class ModelRunner:
             x = x + self._lin(F.silu(gu[:, :inter]) * gu[:, inter:], L["down"], li, "down", batch)
         x = x.index_select(0, batch.logits_rows)
         x = self._rms(x, self.final_norm)
+        return self._mm(x, self.lm_head)
+
+    def _forward_fused(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """forward_eager with the fused CPU kernels: per layer 4 GEMMs, attention and 4 kernels (norm, RoPE +
+        K/V write, residual add + norm, SiLU * up) instead of ~40 torch ops; the same roundings as the torch
+        ops except inside attention (fp32 throughout)."""
+        K, T = self.kernels, x.shape[0]
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        h = K.rms_norm(x, self.layers[0]["in_norm"], self.eps)
+        for li, L in enumerate(self.layers):
+            qkv = self._lin(h, L["qkv"], li, "qkv", batch)
+            K.rope_write_kv(qkv, self.cos, self.sin, batch.positions, self.k_cache[li], self.v_cache[li],
+                            batch.slot_mapping, H, KV)
+            attn = self._attention(li, qkv[:, :H * D].view(T, H, D), batch)
+            h = K.add_rms_norm(x, self._lin(attn, L["o"], li, "o", batch), L["post_norm"], self.eps)
+            down = self._lin(K.silu_mul(self._lin(h, L["gate_up"], li, "gate_up", batch)), L["down"], li, "down",
+                             batch)
+            if li + 1 < len(self.layers):
+                h = K.add_rms_norm(x, down, self.layers[li + 1]["in_norm"], self.eps)
+            else:
+                x.add_(down)
+        x = K.rms_norm(x.index_select(0, batch.logits_rows), self.final_norm, self.eps)
         return self._mm(x, self.lm_head)

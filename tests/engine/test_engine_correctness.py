@@ -114,8 +114,8 @@ def test_kv_memory_tracks_resident_tokens(make_engine):
 
 
 def test_decode_rows_grouped_by_length_give_the_ids_of_one_group(make_engine, tokenizer, hf_greedy, monkeypatch):
-    """Short and long contexts in one step: the CPU attends them in separate length groups (less padding)
-    and puts the rows back in order. Every sequence's ids equal those of the same run attended as one group
+    """Without the fused kernels (whose decode attention reads each row's own blocks, unpadded): short and long
+    contexts in one step are attended in separate length groups (less padding) and the rows put back in order. Every sequence's ids equal those of the same run attended as one group
     (the same steps, each row padded to the longest), and the chat prompt's equal transformers'."""
     from python_backends.engine import cpu_attention
     real = cpu_attention.group_by_length
@@ -128,7 +128,7 @@ def test_decode_rows_grouped_by_length_give_the_ids_of_one_group(make_engine, to
         seen: list[int] = []
         monkeypatch.setattr(cpu_attention, "group_by_length",
                             lambda blocks, **kw: (g := group_by_length(blocks, **kw), seen.append(len(g)))[0])
-        eng = make_engine(max_num_batched_tokens=1024)
+        eng = make_engine(max_num_batched_tokens=1024, cpu_kernels="off")
         seqs = [eng.add_request(p, SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)) for p in prompts]
         results = run_to_end(eng)
         return [results[s.seq_id]["ids"] for s in seqs], max(seen)

@@ -1,0 +1,460 @@
+// Fused CPU kernels for the engine's step (loaded by python_backends/engine/cpu_kernels.py).
+//
+// Each replaces several torch ops per layer with one pass over the rows: on a 2-core machine a 32-row step
+// is ~1,400 small torch ops whose dispatch and OpenMP barriers cost as much as the arithmetic. The results
+// follow the torch reference's roundings (each intermediate a torch op would store is rounded to the
+// storage dtype), except attention, which keeps everything in fp32 until its output.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+// fp32 and bf16: the engine's compute dtypes on the CPU
+#define FLOAT_OR_BF16(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const bf16* p, int64_t i) {
+  uint32_t u = uint32_t(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void store(float* p, int64_t i, float f) { p[i] = f; }
+inline void store(bf16* p, int64_t i, float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;   // round to nearest even, as torch's cast
+  reinterpret_cast<uint16_t*>(p)[i] = (f != f) ? uint16_t(0x7FC0) : uint16_t(r);
+}
+// e^x from 2^(x log2 e): 2^round + a degree-6 polynomial on the rest (relative error ~1e-7, as a correctly
+// rounded fp32 exp to within an ulp or two). Plain arithmetic, so loops over it vectorize (libm's expf does not
+// without -ffast-math). x below -87.3 gives ~1e-38, not 0.
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float t = x * 1.44269504089f;
+  const float n = std::floor(t + 0.5f);
+  const float f = t - n;
+  float p = 1.5403530e-4f;
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// f rounded to T and back: the value a torch op storing T would leave.
+template <typename T> inline float rnd(float f) { T b; store(&b, 0, f); return load(&b, 0); }
+
+#if defined(__AVX512F__)
+// 16 lanes of T as fp32, and back (bf16: round to nearest even, NaN kept a NaN, as torch's cast)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512i bf16_bits(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+}
+inline void store16(float* p, __m512 f) { _mm512_storeu_ps(p, f); }
+inline void store16(bf16* p, __m512 f) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(f)));
+}
+template <typename T> inline __m512 rnd16(__m512 f) { return f; }
+template <> inline __m512 rnd16<bf16>(__m512 f) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(f), 16));
+}
+// fast_exp on 16 lanes
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+// ---------------------------------------------------------------- RMSNorm (optionally after a residual add)
+template <typename T>
+void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+#if defined(__AVX512F__)
+  if (n % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) { const __m512 v = load16(x + j); acc = _mm512_fmadd_ps(v, v, acc); }
+    const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / float(n) + eps));
+    for (int64_t j = 0; j < n; j += 16)
+      store16(out + j, _mm512_mul_ps(load16(w + j), rnd16<T>(_mm512_mul_ps(load16(x + j), r))));
+    return;
+  }
+#endif
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < n; ++j) { float v = load(x, j); ss += v * v; }
+  const float r = 1.f / std::sqrt(ss / float(n) + eps);
+  for (int64_t j = 0; j < n; ++j) store(out, j, load(w, j) * rnd<T>(load(x, j) * r));
+}
+
+template <typename T>
+void rms_impl(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) rms_row(xp + i * xs, wp, op + i * os, n, float(eps));
+  });
+}
+
+// w * rms(x): x [rows, n], w [n] -> [rows, n]
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(), "w: [n] of x's dtype");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  FLOAT_OR_BF16(x.scalar_type(), "rms_norm", [&] { rms_impl<scalar_t>(x, w, out, eps); });
+  return out;
+}
+
+template <typename T>
+void add_rms_impl(torch::Tensor& x, const torch::Tensor& y, const torch::Tensor& w, torch::Tensor& out, double eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  T* xp = x.data_ptr<T>();
+  const T* yp = y.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), ys = y.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      T* xr = xp + i * xs;
+      const T* yr = yp + i * ys;
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      for (; j + 16 <= n; j += 16) store16(xr + j, _mm512_add_ps(load16(xr + j), load16(yr + j)));
+#endif
+      for (; j < n; ++j) store(xr, j, load(xr, j) + load(yr, j));
+      rms_row(xr, wp, op + i * os, n, float(eps));
+    }
+  });
+}
+
+// x += y (in place, rounded as torch's add), then w * rms(x)
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps) {
+  check_rows(x, "x");
+  check_rows(y, "y");
+  TORCH_CHECK(x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type(), "x and y: same shape and dtype");
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(), "w: [n] of x's dtype");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  FLOAT_OR_BF16(x.scalar_type(), "add_rms_norm", [&] { add_rms_impl<scalar_t>(x, y, w, out, eps); });
+  return out;
+}
+
+// ---------------------------------------------------------------- SiLU(gate) * up
+template <typename T>
+void silu_mul_impl(const torch::Tensor& gu, torch::Tensor& out) {
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
+  const T* gp = gu.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t gs = gu.stride(0);
+  at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const T* g = gp + i * gs;
+      const T* u = g + inter;
+      T* o = op + i * inter;
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      for (; j + 16 <= inter; j += 16) {
+        const __m512 a = load16(g + j);
+        const __m512 silu = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+        store16(o + j, _mm512_mul_ps(rnd16<T>(silu), load16(u + j)));
+      }
+#endif
+      for (; j < inter; ++j) {
+        const float a = load(g, j);
+        store(o, j, rnd<T>(a / (1.f + fast_exp(-a))) * load(u, j));
+      }
+    }
+  });
+}
+
+// gu [rows, 2*inter] (gate then up) -> [rows, inter]
+torch::Tensor silu_mul(torch::Tensor gu) {
+  check_rows(gu, "gu");
+  TORCH_CHECK(gu.size(1) % 2 == 0, "gu: [rows, 2*inter]");
+  auto out = torch::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  FLOAT_OR_BF16(gu.scalar_type(), "silu_mul", [&] { silu_mul_impl<scalar_t>(gu, out); });
+  return out;
+}
+
+// ---------------------------------------------------------------- RoPE on q and k, new K/V into the pool
+template <typename T>
+void rope_write_kv_impl(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, const int64_t* pos,
+                        torch::Tensor& k_cache, torch::Tensor& v_cache, const int64_t* slot, int64_t heads,
+                        int64_t kv_heads) {
+  const int64_t T_ = qkv.size(0), D = cos.size(1), S = k_cache.size(1);
+  T* base = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t rs = qkv.stride(0), half = D / 2;
+  at::parallel_for(0, T_, 4, [&](int64_t b, int64_t e) {
+    float x[1024];
+    for (int64_t t = b; t < e; ++t) {
+      const T* c = cp + pos[t] * D;
+      const T* s = sp + pos[t] * D;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        T* xh = base + t * rs + h * D;
+        for (int64_t j = 0; j < D; ++j) x[j] = load(xh, j);
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j)   // x*cos + rotate_half(x)*sin, each product rounded as torch's
+          store(xh, j, rnd<T>(x[j] * load(c, j)) + rnd<T>(-x[j + half] * load(s, j)));
+#pragma omp simd
+        for (int64_t j = half; j < D; ++j)
+          store(xh, j, rnd<T>(x[j] * load(c, j)) + rnd<T>(x[j - half] * load(s, j)));
+        if (h >= heads) std::memcpy(kc + ((h - heads) * S + slot[t]) * D, xh, D * sizeof(T));
+      }
+      for (int64_t g = 0; g < kv_heads; ++g)
+        std::memcpy(vc + (g * S + slot[t]) * D, base + t * rs + (heads + kv_heads + g) * D, D * sizeof(T));
+    }
+  });
+}
+
+// qkv [T, (H + 2*KV) * D]: q and k heads rotated in place (HF's rotate_half layout, cos/sin [P, D] rows taken
+// at each token's position); then each token's k and v heads are written at its slot of the pool
+// k_cache / v_cache [KV, S, D] (one layer).
+void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
+                   torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, int64_t heads, int64_t kv_heads) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2, "cos, sin: contiguous [P, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3, "caches: contiguous [KV, S, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong, "positions, slots: int64");
+  const int64_t T_ = qkv.size(0), D = cos.size(1), S = k_cache.size(1), P = cos.size(0);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * D && k_cache.size(2) == D && k_cache.size(0) == kv_heads,
+              "qkv / cache shapes do not match heads, kv_heads and head_dim");
+  TORCH_CHECK(D % 2 == 0 && D <= 1024, "head_dim must be even and at most 1024");
+  TORCH_CHECK(positions.numel() == T_ && slots.numel() == T_, "one position and one slot per token");
+  const auto positions_c = positions.contiguous(), slots_c = slots.contiguous();
+  const int64_t* pos = positions_c.data_ptr<int64_t>();
+  const int64_t* slot = slots_c.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T_; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " outside the RoPE table");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < S, "slot ", slot[t], " outside the KV pool");
+  }
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && k_cache.scalar_type() == qkv.scalar_type(),
+              "cos/sin and the caches must have qkv's dtype");
+  FLOAT_OR_BF16(qkv.scalar_type(), "rope_write_kv", [&] {
+    rope_write_kv_impl<scalar_t>(qkv, cos, sin, pos, k_cache, v_cache, slot, heads, kv_heads);
+  });
+}
+
+// ---------------------------------------------------------------- decode attention over the pool in place
+// q [B, H*D] (rows may be strided: a view of qkv), k_cache / v_cache [KV, S, D] (one layer), block_tables
+// [B, W] int64, lens [B] int64 (keys per row, the new token's included) -> [B, H*D]. One task per (row,
+// KV head): its H/KV query heads (GQA) read each key and value once, straight from the row's blocks.
+// Each of the G rows of scores [G, n] softmaxed in place, in fp32.
+inline void softmax_rows(float* scores, int64_t n, int64_t G) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
+    float sum = 0.f;
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    for (; t + 16 <= n; t += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mv));
+      _mm512_storeu_ps(sg + t, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; t < n; ++t) { sg[t] = fast_exp(sg[t] - m); sum += sg[t]; }
+    const float inv = 1.f / sum;
+    for (t = 0; t < n; ++t) sg[t] *= inv;
+  }
+}
+
+#if defined(__AVX512F__)
+// Prefetch row `r` of block table[i] (i < 0: nothing), all of its cache lines.
+template <typename T>
+inline void prefetch_row(const T* base, const int64_t* table, int64_t i, int64_t r, int64_t bs, int64_t D) {
+  if (i < 0) return;
+  const char* p = reinterpret_cast<const char*>(base + (table[i] * bs + r) * D);
+  for (int64_t off = 0; off < int64_t(D * sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
+// One (row, KV head) task with head_dim = 16*C, AVX-512: each key row is converted to fp32 once and dotted
+// with the G query heads; each value row is converted once and added into the G accumulators.
+template <typename T, int C>
+void attend_avx512(const float* qf, const T* kbase, const T* vbase, const int64_t* table, int64_t n, int64_t bs,
+                   int64_t G, float* scores, float* acc) {
+  constexpr int64_t D = 16 * C;
+  // The pool is cold by the time a layer reads it (each step streams all weights through the caches): fetch
+  // the next block's rows while this block's are used, K during the scores and V ahead of the sums.
+  const int64_t last_block = (n - 1) / bs;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* k = kbase + (table[t / bs] * bs + t % bs) * D;
+    prefetch_row(kbase, table, t / bs + 1 <= last_block ? t / bs + 1 : -1, t % bs, bs, D);
+    prefetch_row(vbase, table, t / bs <= last_block ? t / bs : -1, t % bs, bs, D);
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load16(k + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
+      for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kv[c], s);
+      scores[g * n + t] = _mm512_reduce_add_ps(s);
+    }
+  }
+  softmax_rows(scores, n, G);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 o[C];
+    for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
+    const float* pg = scores + g * n;
+    for (int64_t t = 0; t < n; ++t) {
+      const T* v = vbase + (table[t / bs] * bs + t % bs) * D;
+      const __m512 p = _mm512_set1_ps(pg[t]);
+      for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(p, load16(v + 16 * c), o[c]);
+    }
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, o[c]);
+  }
+}
+#endif
+
+// Portable version of the same task (any head_dim; what GCC vectorises itself).
+template <typename T>
+void attend_generic(const float* qf, const T* kbase, const T* vbase, const int64_t* table, int64_t n, int64_t bs,
+                    int64_t G, int64_t D, float* scores, float* acc, float* row) {
+  for (int64_t t = 0; t < n; ++t) {
+    const T* k = kbase + (table[t / bs] * bs + t % bs) * D;
+#pragma omp simd
+    for (int64_t j = 0; j < D; ++j) row[j] = load(k, j);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t j = 0; j < D; ++j) s += qg[j] * row[j];
+      scores[g * n + t] = s;
+    }
+  }
+  softmax_rows(scores, n, G);
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = vbase + (table[t / bs] * bs + t % bs) * D;
+#pragma omp simd
+    for (int64_t j = 0; j < D; ++j) row[j] = load(v, j);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * n + t];
+      float* ag = acc + g * D;
+#pragma omp simd
+      for (int64_t j = 0; j < D; ++j) ag[j] += p * row[j];
+    }
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const int64_t* tables, int64_t W, const int64_t* lens, int64_t bs, float scale,
+                           torch::Tensor& out) {
+  const int64_t B = q.size(0), KV = k_cache.size(0), S = k_cache.size(1), D = k_cache.size(2);
+  const int64_t H = q.size(1) / D, G = H / KV;
+  const T* qp = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t qs = q.stride(0);
+  at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), row(D), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KV, g0 = task % KV, n = lens[b];
+      const int64_t* table = tables + b * W;
+      scores.resize(G * n);
+      const T* qrow = qp + b * qs + g0 * G * D;
+      for (int64_t j = 0; j < G * D; ++j) qf[j] = load(qrow, j) * scale;
+      const T* kbase = kc + g0 * S * D;
+      const T* vbase = vc + g0 * S * D;
+#if defined(__AVX512F__)
+      if (D == 64)
+        attend_avx512<T, 4>(qf.data(), kbase, vbase, table, n, bs, G, scores.data(), acc.data());
+      else if (D == 128)
+        attend_avx512<T, 8>(qf.data(), kbase, vbase, table, n, bs, G, scores.data(), acc.data());
+      else
+#endif
+        attend_generic<T>(qf.data(), kbase, vbase, table, n, bs, G, D, scores.data(), acc.data(), row.data());
+      T* o = op + b * H * D + g0 * G * D;
+      for (int64_t j = 0; j < G * D; ++j) store(o, j, acc[j]);
+    }
+  });
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor block_tables, torch::Tensor lens, int64_t block_size, double scale) {
+  check_rows(q, "q");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+              k_cache.sizes() == v_cache.sizes(), "k_cache, v_cache: contiguous [KV, S, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2,
+              "block_tables: contiguous int64 [B, W]");
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.numel() == q.size(0), "lens: int64, one per row");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the caches: same dtype");
+  const int64_t B = q.size(0), KV = k_cache.size(0), S = k_cache.size(1), D = k_cache.size(2);
+  const int64_t W = block_tables.size(1);
+  TORCH_CHECK(block_tables.size(0) == B, "block_tables: one row per query row");
+  TORCH_CHECK(q.size(1) % (KV * D) == 0, "q's width must be a multiple of kv_heads * head_dim");
+  auto lens_c = lens.contiguous();
+  const int64_t* ln = lens_c.data_ptr<int64_t>();
+  const int64_t* tb = block_tables.data_ptr<int64_t>();
+  const int64_t blocks_in_pool = S / block_size;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ln[b] >= 1 && ln[b] <= W * block_size, "row ", b, ": length ", ln[b], " outside its block table");
+    for (int64_t i = 0; i < (ln[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(tb[b * W + i] >= 0 && tb[b * W + i] < blocks_in_pool, "row ", b, ": block id outside the pool");
+  }
+  auto out = torch::empty({B, q.size(1)}, q.options());
+  FLOAT_OR_BF16(q.scalar_type(), "decode_attention", [&] {
+    decode_attention_impl<scalar_t>(q, k_cache, v_cache, tb, W, ln, block_size, float(scale), out);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "w * rms(x)");
+  m.def("add_rms_norm", &add_rms_norm, "x += y in place, then w * rms(x)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [rows, 2*inter]");
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k in place; k and v written into the pool");
+  m.def("decode_attention", &decode_attention, "one-token-per-row attention over the pool's blocks in place");
+}
