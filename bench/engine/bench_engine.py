@@ -105,7 +105,8 @@ def engine_env(concurrency: int, args) -> dict[str, str]:
     return {"FLEET_REPLICA_CPU_CORES": "dedicated",
             "FLEET_ENGINE_NUM_KV_BLOCKS": str(args.kv_blocks), "FLEET_ENGINE_MAX_NUM_SEQS": str(max(concurrency, 1)),
             "FLEET_ENGINE_MAX_NUM_BATCHED_TOKENS": str(args.step_tokens), "FLEET_ENGINE_THREADS": str(args.threads),
-            "FLEET_ENGINE_CPU_MATMUL": args.cpu_matmul, "OMP_NUM_THREADS": str(args.threads),
+            "FLEET_ENGINE_CPU_MATMUL": args.cpu_matmul, "FLEET_ENGINE_CPU_KERNELS": args.cpu_kernels,
+            "OMP_NUM_THREADS": str(args.threads),
             **({"FLEET_ENGINE_STREAM_INTERVAL": str(args.stream_interval)} if args.stream_interval else {})}
 
 
@@ -285,6 +286,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", help="our engine's weights (bf16 = the model as published)")
     parser.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMULS,
                         help="our engine's CPU GEMM kind (engine setting cpu_matmul)")
+    parser.add_argument("--cpu-kernels", default="auto", choices=("auto", "on", "off"),
+                        help="our engine's fused CPU kernels (off: torch ops, for an A/B through the replica)")
     parser.add_argument("--hf-dtype", default="auto", choices=("auto", "bf16", "fp32"),
                         help="transformers' dtype; auto = bf16 where the CPU has bf16 units, else fp32")
     parser.add_argument("--kv-blocks", type=int, default=4096)
@@ -331,7 +334,7 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     report = {"started": started, "load_avg": _load_avg(), "dtype": args.dtype,
               "cpu_matmul": cpu_matmul_kind(args.cpu_matmul, torch.bfloat16, torch.device("cpu"))
-              if args.dtype == "bf16" else "", "hf_dtype": hf_dtype(args.hf_dtype),
+              if args.dtype == "bf16" else "", "cpu_kernels": args.cpu_kernels, "hf_dtype": hf_dtype(args.hf_dtype),
               "levels": list(levels), "requests": args.requests, "requests_c1": args.requests_c1,
               "rate": args.rate, "threads": args.threads, "repeats": args.repeats,
               "stream_interval": args.stream_interval or "default", "systems": {}}

@@ -19,6 +19,8 @@ from python_backends.engine.sequence import SamplingParams
 from python_backends.engine.state_report import StateReporter, identity_from_env
 
 log = logging.getLogger("engine")
+# The engine says at start what it chose (KV pool size, CPU kernels, decode attention): into the replica's log
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 

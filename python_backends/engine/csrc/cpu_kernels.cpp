@@ -432,7 +432,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const int64_t B = q.size(0), KV = k_cache.size(0), S = k_cache.size(1), D = k_cache.size(2);
   const int64_t W = block_tables.size(1);
   TORCH_CHECK(block_tables.size(0) == B, "block_tables: one row per query row");
-  TORCH_CHECK(q.size(1) % (KV * D) == 0, "q's width must be a multiple of kv_heads * head_dim");
+  TORCH_CHECK(q.size(1) % (KV * D) == 0, "q's width must be a multiple of kv_heads * head_dim (whole GQA groups)");
   auto lens_c = lens.contiguous();
   const int64_t* ln = lens_c.data_ptr<int64_t>();
   const int64_t* tb = block_tables.data_ptr<int64_t>();
