@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml scripts/install.sh
 
 # the engine's fused CPU kernels: built once per source and machine, a no-op (~2 s) when up to date
 kernels: install
-	@$(PY) -m python_backends.engine.cpu_kernels || echo "fused CPU kernels not built; the engine uses torch ops"
+	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m python_backends.engine.cpu_kernels || \
+		echo "fused CPU kernels not built; the engine uses torch ops"
 
 up: kernels
 	$(PY) -m fleet.cli up

@@ -23,5 +23,5 @@ if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then
 fi
 # The engine's fused CPU kernels, compiled once for this machine (replicas then only load them; where they cannot
 # be built the engine runs its torch ops). `make up` / `make test` re-check them, in case the source changed.
-$PY -m python_backends.engine.cpu_kernels || echo "install: fused CPU kernels not built; the engine uses torch ops"
+PATH="$PWD/.venv/bin:$PATH" $PY -m python_backends.engine.cpu_kernels || echo "install: fused CPU kernels not built; the engine uses torch ops"
 echo "install: done"

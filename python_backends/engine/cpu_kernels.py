@@ -5,8 +5,8 @@ A 32-row step of SmolLM2-135M is ~1,400 small torch ops on a 2-core CPU, and the
 barriers cost as much as the arithmetic; these kernels do the same work in 5 ops per layer besides the GEMMs,
 and decode attention no longer copies each row's blocks out of the pool first.
 
-Compiled once per machine with torch's C++ extension builder (`make install` does it, so a replica only loads
-the library), for the CPU it runs on (-march=native): the library's name carries a hash of the source, the
+Compiled once per machine with torch's C++ extension builder and ninja (`make install` does it, with this
+environment's bin on PATH for the pip `ninja`; a replica only loads the library), for the CPU it runs on (-march=native): the library's name carries a hash of the source, the
 flags, torch's version and the CPU's flags, so a changed source or another CPU builds anew instead of loading
 stale code or instructions the CPU lacks. Where it cannot be built (no C++ compiler), `load` returns None and
 the engine keeps its torch ops (the `cpu_kernels` setting: auto | on | off).
@@ -19,9 +19,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import logging
-import os
 import platform
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -52,10 +50,7 @@ def library_name() -> str:
 
 
 def build_root() -> Path:
-    """Where built libraries live: FLEET_KERNEL_DIR, else torch's extension folder (TORCH_EXTENSIONS_DIR)."""
-    env = os.environ.get("FLEET_KERNEL_DIR")
-    if env:
-        return Path(env)
+    """Where built libraries live: torch's extension folder (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR)."""
     from torch.utils.cpp_extension import _get_build_directory
     return Path(_get_build_directory("fleet_cpu_kernels", verbose=False)).parent
 
@@ -77,8 +72,6 @@ def build(verbose: bool = False) -> ModuleType:
     lock = directory / "lock"      # torch's build lock: a build killed mid-way leaves it, and later ones wait forever
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
         lock.unlink(missing_ok=True)
-    # ninja from this environment's bin (the pip package) when it is not on PATH, as inside tritonserver
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     log.info("building the fused CPU kernels in %s (once per source and machine)", directory)
     return build_extension(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                            build_directory=str(directory), verbose=verbose)

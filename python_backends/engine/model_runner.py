@@ -53,7 +53,8 @@ class ModelRunner:
     def __init__(self, weights_dir: Path, dtype: str, num_blocks: int, block_size: int, max_context: int,
                  lora: LoraManager | None = None, cpu_matmul: str = "auto",
                  device: torch.device | str = "cpu", state_dict: dict[str, torch.Tensor] | None = None,
-                 kv_memory_fraction: float = 0.85, cpu_decode_attention: str = "auto", cpu_kernels_setting: str = "auto"):
+                 kv_memory_fraction: float = 0.85, cpu_decode_attention: str = "auto",
+                 cpu_kernels_setting: str = "auto"):
         """num_blocks 0 = as many as kv_memory_fraction of the free memory holds; state_dict replaces
         model.safetensors (benchmarks on random weights); cpu_kernels_setting: auto | on | off (cpu_kernels.py)."""
         cfg = read_model_config(weights_dir)
@@ -100,7 +101,8 @@ class ModelRunner:
         self.cpu_paged = self.kernels is not None and cpu_decode_attention == "auto"
         if self.device.type == "cpu":
             log.info("CPU step: %s, decode attention %s", "fused kernels" if self.kernels else "torch ops",
-                     "in place over the pool (kernel)" if self.cpu_paged else f"{cpu_decode_attention} over gathered blocks")
+                     "in place over the pool (kernel)" if self.cpu_paged
+                     else f"{cpu_decode_attention} over gathered blocks")
         self.decode_attention = None if self.paged or self.cpu_paged else cpu_attention.choose(
             cpu_decode_attention, self.dtype, self.n_heads, self.n_kv, self.head_dim, self.device)
         self.zeroed_blocks: set[int] = {0}                # CPU path: blocks whose unwritten slots are zero
