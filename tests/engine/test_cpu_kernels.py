@@ -136,6 +136,8 @@ def test_bad_indices_are_refused_not_read():
         K.rope_write_kv(qkv, table, table, torch.tensor([0]), kc, kc.clone(), torch.tensor([64]), H, KV)
     with pytest.raises(RuntimeError, match="position 8 outside the RoPE table"):
         K.rope_write_kv(qkv, table, table, torch.tensor([8]), kc, kc.clone(), torch.tensor([0]), H, KV)
+    with pytest.raises(RuntimeError, match="k_cache, v_cache: contiguous .KV, S, D., same shape and dtype"):
+        K.rope_write_kv(qkv, table, table, torch.tensor([0]), kc, kc[:, :BS].clone(), torch.tensor([0]), H, KV)
     with pytest.raises(RuntimeError, match="float32 or bfloat16|expected scalar type|not implemented"):
         K.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64), 1e-5)
 

@@ -259,7 +259,9 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torc
                    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, int64_t heads, int64_t kv_heads) {
   check_rows(qkv, "qkv");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2, "cos, sin: contiguous [P, D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3, "caches: contiguous [KV, S, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+              k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache, v_cache: contiguous [KV, S, D], same shape and dtype");
   TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong, "positions, slots: int64");
   const int64_t T_ = qkv.size(0), D = cos.size(1), S = k_cache.size(1), P = cos.size(0);
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * D && k_cache.size(2) == D && k_cache.size(0) == kv_heads,
@@ -424,7 +426,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
                                torch::Tensor block_tables, torch::Tensor lens, int64_t block_size, double scale) {
   check_rows(q, "q");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
-              k_cache.sizes() == v_cache.sizes(), "k_cache, v_cache: contiguous [KV, S, D]");
+              k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache, v_cache: contiguous [KV, S, D], same shape and dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2,
               "block_tables: contiguous int64 [B, W]");
   TORCH_CHECK(lens.scalar_type() == at::kLong && lens.numel() == q.size(0), "lens: int64, one per row");
