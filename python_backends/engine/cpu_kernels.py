@@ -1,5 +1,6 @@
 """Fused CPU kernels of the engine's step (csrc/cpu_kernels.cpp): RMSNorm, residual add + RMSNorm, SiLU * up,
-RoPE with the new K/V written into the pool, and decode attention reading K/V from the pool's blocks in place.
+RoPE with the new K/V written into the pool, decode attention reading K/V from the pool's blocks in place, and the
+greedy argmax of the logits.
 
 A 32-row step of SmolLM2-135M is ~1,400 small torch ops on a 2-core CPU, and their dispatch and OpenMP
 barriers cost as much as the arithmetic; these kernels do the same work in 5 ops per layer besides the GEMMs,

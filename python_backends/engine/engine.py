@@ -264,7 +264,9 @@ class LLMEngine:
 
     def _launch_sampling(self, logits: torch.Tensor, seqs: list[Sequence], prefill_tokens: int,
                          lookahead: bool) -> _Inflight:
-        ids = sample_on_device(logits, seqs, ahead=int(lookahead))   # lookahead: prev's token not appended
+        kernels = self.runner.kernels
+        ids = sample_on_device(logits, seqs, ahead=int(lookahead),   # lookahead: prev's token not appended
+                               argmax=kernels.argmax_rows if kernels is not None else None)
         host, event = ids, None
         if ids.device.type == "cuda":
             host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)

@@ -9,6 +9,7 @@ other rows share one draw. The only host sync is the final `.tolist()` (none in 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 
 import torch
 
@@ -42,11 +43,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     return sample_on_device(logits, seqs).tolist()
 
 
-def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> torch.Tensor:
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0,
+                     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """As `sample`, but the ids stay on the logits' device (int64 [len(seqs)]); no host sync. ahead: output
-    tokens each sequence has sampled that are not in its token list yet (async decode's step in flight)."""
+    tokens each sequence has sampled that are not in its token list yet (async decode's step in flight).
+    argmax: each row's first maximum (the CPU kernels' argmax_rows: 0.1 vs 0.6 ms for 32 x 49,152 bf16)."""
     # max's indices: the first maximum of each row, as argmax's, at 0.4 vs 1.0 ms for 32 x 49,152 on the CPU
-    greedy_ids = logits.max(dim=-1).indices
+    greedy_ids = argmax(logits) if argmax is not None else logits.max(dim=-1).indices
     random_rows = [r for r, s in enumerate(seqs) if not s.params.greedy]
     if not random_rows:
         return greedy_ids

@@ -1,5 +1,5 @@
 """The fused CPU kernels (python_backends/engine/cpu_kernels.py) against the torch ops they replace: fp32 to
-within float rounding, bf16 with the same roundings (at most 1 bf16 ulp apart, and in few elements); decode
+within float rounding, greedy argmax exactly, bf16 with the same roundings (at most 1 bf16 ulp apart, and in few elements); decode
 attention reads each row's own blocks in place and equals softmax(QK^T)V over exactly its keys; bad indices
 are refused with an error naming them, never read; an engine with the kernels gives the greedy ids of one
 without them (fp32), prefill, decode and prefix-cache hits alike."""
@@ -118,6 +118,22 @@ def test_decode_attention_reads_each_rows_blocks_in_place(dtype, tolerance, head
     want = _attention_reference(q, kc, vc, tables, lens, d)
     assert got.shape == (len(lens), H * d) and got.dtype == dtype
     assert ((got.float() - want).norm() / want.norm()).item() < tolerance
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [49152, 33, 5])        # vector loop + tail, and the scalar loop alone
+def test_argmax_rows_gives_torch_max_indices(dtype, vocab):
+    """The first maximum of each row (ties, the last column, -inf, NaN) as torch's max(dim=-1).indices."""
+    x = torch.randn(8, vocab, generator=torch.Generator().manual_seed(6)).to(dtype)
+    x[1, 0] = x[1, vocab - 1] = 50.0                      # tie: the first wins
+    x[2, vocab - 1] = 60.0                                # the tail
+    x[3] = float("-inf")
+    x[4, vocab // 2] = x[4, vocab - 1] = float("nan")     # a NaN is the maximum, the first NaN
+    x[5, vocab - 1] = float("nan")
+    x[6, 0] = float("nan")
+    x[7] = 1.0                                            # all equal
+    assert torch.equal(K.argmax_rows(x), x.max(dim=-1).indices)
+    assert torch.equal(K.argmax_rows(x[:, :vocab - 1]), x[:, :vocab - 1].max(dim=-1).indices)  # strided rows
 
 
 def test_bad_indices_are_refused_not_read():

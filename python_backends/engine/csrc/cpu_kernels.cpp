@@ -452,6 +452,68 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   return out;
 }
 
+// ---------------------------------------------------------------- greedy ids
+// Index of each row's first maximum (a NaN counts as the maximum, as torch's max does), logits [R, V] -> int64 [R].
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  int64_t best = 0;
+  float m = load(x, 0);
+  if (m != m) return 0;
+  int64_t j = 1;
+#if defined(__AVX512F__)
+  if (n >= 32) {
+    __m512 mv = load16(x);
+    __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i cur = _mm512_add_epi32(iv, _mm512_set1_epi32(16));
+    const __m512i step = _mm512_set1_epi32(16);
+    bool nan = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q) != 0;
+    for (j = 16; j + 16 <= n && !nan; j += 16) {
+      const __m512 v = load16(x + j);
+      nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);   // strictly greater: the first maximum stays
+      mv = _mm512_mask_mov_ps(mv, gt, v);
+      iv = _mm512_mask_mov_epi32(iv, gt, cur);
+      cur = _mm512_add_epi32(cur, step);
+    }
+    if (nan) {                       // rare: find the first NaN the way the scalar loop does
+      for (int64_t i = 0; i < n; ++i) { const float v = load(x, i); if (v != v) return i; }
+    }
+    alignas(64) float vals[16];
+    alignas(64) int32_t idx[16];
+    _mm512_store_ps(vals, mv);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(idx), iv);
+    m = vals[0];
+    best = idx[0];
+    for (int l = 1; l < 16; ++l)
+      if (vals[l] > m || (vals[l] == m && idx[l] < best)) { m = vals[l]; best = idx[l]; }
+  }
+#endif
+  for (; j < n; ++j) {
+    const float v = load(x, j);
+    if (v != v) return j;
+    if (v > m) { m = v; best = j; }
+  }
+  return best;
+}
+
+template <typename T>
+void argmax_impl(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) op[i] = argmax_row(xp + i * xs, n);
+  });
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  check_rows(x, "logits");
+  TORCH_CHECK(x.size(1) >= 1 && x.size(1) < (int64_t(1) << 31), "logits: 1 to 2^31 - 1 columns");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  FLOAT_OR_BF16(x.scalar_type(), "argmax_rows", [&] { argmax_impl<scalar_t>(x, out); });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -460,4 +522,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [rows, 2*inter]");
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k in place; k and v written into the pool");
   m.def("decode_attention", &decode_attention, "one-token-per-row attention over the pool's blocks in place");
+  m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (NaN first), as torch's max(dim=-1)");
 }
