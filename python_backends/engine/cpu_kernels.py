@@ -78,14 +78,19 @@ def build(verbose: bool = False) -> ModuleType:
                            build_directory=str(directory), verbose=verbose)
 
 
+def built_library() -> Path:
+    """Where this source's library is once built (it may not exist yet)."""
+    name = library_name()
+    return build_root() / name / f"{name}.so"
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> ModuleType | None:
     """The kernels, or None where they cannot be built here (logged; callers keep their torch ops).
     A library built before is imported directly: no compiler, ninja or build lock at a replica's start."""
-    name = library_name()
-    built = build_root() / name / f"{name}.so"
+    built = built_library()
     try:
-        return _import(name, built) if built.exists() else build()
+        return _import(built.stem, built) if built.exists() else build()
     except Exception as exc:     # no compiler, no ninja, a failed build: the torch ops still work
         log.warning("fused CPU kernels unavailable (%s); the engine uses torch ops", exc)
         return None
@@ -110,12 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verbose", action="store_true", help="show the compiler's command lines")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    name = library_name()
-    if (build_root() / name / f"{name}.so").exists():
-        print(f"cpu kernels: {build_root() / name} is up to date")
+    built = built_library()
+    if built.exists():
+        print(f"cpu kernels: {built.parent} is up to date")
         return
     build(verbose=args.verbose)
-    print(f"cpu kernels: built {build_root() / name}")
+    print(f"cpu kernels: built {built.parent}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from python_backends.engine import cpu_kernels
+from python_backends.engine.sequence import SamplingParams
 from tests.engine.conftest import random_prompt, run_to_end
 
 K = cpu_kernels.load()
@@ -189,6 +190,5 @@ def test_engine_with_kernels_gives_the_greedy_ids_of_torch_ops(make_engine):
     assert all(len(ids) == 12 for ids in with_kernels[0])
 
 
-def _greedy(n: int):
-    from python_backends.engine.sequence import SamplingParams
+def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)

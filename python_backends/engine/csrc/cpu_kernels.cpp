@@ -42,18 +42,15 @@ inline void store(bf16* p, int64_t i, float f) {
 // e^x from 2^(x log2 e): 2^round + a degree-6 polynomial on the rest (relative error ~1e-7, as a correctly
 // rounded fp32 exp to within an ulp or two). Plain arithmetic, so loops over it vectorize (libm's expf does not
 // without -ffast-math). x below -87.3 gives ~1e-38, not 0.
+constexpr float EXP2_POLY[7] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f,
+                                 2.4022651e-1f, 6.9314718e-1f, 1.0f};   // 2^f ~ sum c_k f^(6-k), |f| <= 1/2
 inline float fast_exp(float x) {
   x = std::min(std::max(x, -87.3f), 88.7f);
   const float t = x * 1.44269504089f;
   const float n = std::floor(t + 0.5f);
   const float f = t - n;
-  float p = 1.5403530e-4f;
-  p = p * f + 1.3333558e-3f;
-  p = p * f + 9.6181291e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022651e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.0f;
+  float p = EXP2_POLY[0];
+  for (int k = 1; k < 7; ++k) p = p * f + EXP2_POLY[k];
   const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
@@ -90,13 +87,8 @@ inline __m512 exp16(__m512 x) {
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(EXP2_POLY[0]);
+  for (int k = 1; k < 7; ++k) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_POLY[k]));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
@@ -105,6 +97,10 @@ inline __m512 exp16(__m512 x) {
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+void check_norm_weight(const torch::Tensor& w, const torch::Tensor& x) {
+  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(), "w: [n] of x's dtype");
 }
 
 // ---------------------------------------------------------------- RMSNorm (optionally after a residual add)
@@ -142,7 +138,7 @@ void rms_impl(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out
 // w * rms(x): x [rows, n], w [n] -> [rows, n]
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(), "w: [n] of x's dtype");
+  check_norm_weight(w, x);
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   FLOAT_OR_BF16(x.scalar_type(), "rms_norm", [&] { rms_impl<scalar_t>(x, w, out, eps); });
   return out;
@@ -175,7 +171,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor w, do
   check_rows(x, "x");
   check_rows(y, "y");
   TORCH_CHECK(x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type(), "x and y: same shape and dtype");
-  TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1) && w.scalar_type() == x.scalar_type(), "w: [n] of x's dtype");
+  check_norm_weight(w, x);
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   FLOAT_OR_BF16(x.scalar_type(), "add_rms_norm", [&] { add_rms_impl<scalar_t>(x, y, w, out, eps); });
   return out;
@@ -283,9 +279,6 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torc
 }
 
 // ---------------------------------------------------------------- decode attention over the pool in place
-// q [B, H*D] (rows may be strided: a view of qkv), k_cache / v_cache [KV, S, D] (one layer), block_tables
-// [B, W] int64, lens [B] int64 (keys per row, the new token's included) -> [B, H*D]. One task per (row,
-// KV head): its H/KV query heads (GQA) read each key and value once, straight from the row's blocks.
 // Each of the G rows of scores [G, n] softmaxed in place, in fp32.
 inline void softmax_rows(float* scores, int64_t n, int64_t G) {
   for (int64_t g = 0; g < G; ++g) {
@@ -310,6 +303,9 @@ inline void softmax_rows(float* scores, int64_t n, int64_t G) {
   }
 }
 
+// q [B, H*D] (rows may be strided: a view of qkv), k_cache / v_cache [KV, S, D] (one layer), block_tables
+// [B, W] int64, lens [B] int64 (keys per row, the new token's included) -> [B, H*D]. One task per (row,
+// KV head): its H/KV query heads (GQA) read each key and value once, straight from the row's blocks.
 #if defined(__AVX512F__)
 // Prefetch row `r` of block table[i] (i < 0: nothing), all of its cache lines.
 template <typename T>
