@@ -33,7 +33,7 @@ TOOL_VERSION = "build-engines 0.2"
 def conversion_cache_dir(settings: Settings, alias: str | None, sha: str, dtype: str) -> Path:
     """The shared cache of one conversion; SmolLM2 bf16 keeps the name the test fixtures use."""
     if alias == SMOLLM2_ALIAS and dtype == "bf16":
-        named = settings.cache_dir / "smollm2-135m-bf16"
+        named = settings.cache_dir / cpu.SMOLLM2_BF16_DIR
         source = _read_json(named.with_name(named.name + ".source.json"))
         if source is None or source.get("checkpoint_sha256") == sha:
             return named

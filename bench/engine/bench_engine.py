@@ -33,6 +33,7 @@ import torch
 from bench.engine.peers import Result, combine_runs, run_llama_server, run_triton, summarize
 from bench.engine.report_doc import cpu_section, replace_subsection
 from bench.engine.workload import Request, make_burst, make_workload
+from build_engines.cpu import smollm2_weights
 from common.processes import free_port, stop_pid, throwaway_platform_env, wait_until
 from common.settings import REPO_ROOT, load_settings
 from common.vendor import tritonserver_running
@@ -320,7 +321,7 @@ def main() -> None:
         write_doc(report, report.get("command", "python -m bench.engine.bench_engine"))
         return
     settings = load_settings()
-    weights = settings.cache_dir / "smollm2-135m-bf16"
+    weights = smollm2_weights(settings.cache_dir)
     counts = {int(k): int(v) for k, v in (item.split(":") for item in args.requests_per_level.split(","))} \
         if args.requests_per_level else {}
     kinds = args.workloads.split(",")

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from bench.engine.workload import make_burst
+from build_engines.cpu import smollm2_weights
 from python_backends.engine.config import EngineConfig
 from python_backends.engine.engine import LLMEngine
 from python_backends.engine.sequence import SamplingParams
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         a, b = parse_settings(args.a), parse_settings(args.b)
     except ValueError as exc:
         ap.error(str(exc))
-    weights = args.weights or str(load_settings().cache_dir / "smollm2-135m-bf16")
+    weights = args.weights or str(smollm2_weights(load_settings().cache_dir))
     try:
         engines = {"A": build(weights, a, args.streams), "B": build(weights, b, args.streams)}
     except ValueError as exc:

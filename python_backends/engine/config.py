@@ -37,6 +37,7 @@ class EngineConfig:
     cpu_decode_attention: str = "auto"  # CPU: auto (the kernels' paged attention, else timed at start) | sdpa
                                         # | matmul, see cpu_attention
     cpu_kernels: str = "auto"           # CPU: fused kernels, auto (where they build) | on | off, see cpu_kernels
+    cpu_bf16_gemm: str = "auto"         # CPU bf16 GEMMs: auto (timed at start) | kernel | onednn, see device
     cuda_graphs: int = 1                # CUDA: replay decode steps from graphs captured per batch bucket
     async_decode: int = 0               # 1: launch decode step N+1 before step N's ids reach the host (host
                                         # work overlaps the device); off by default: see docs/engine.md

@@ -1,6 +1,6 @@
 """Fused CPU kernels of the engine's step (csrc/cpu_kernels.cpp): RMSNorm, residual add + RMSNorm, SiLU * up,
-RoPE with the new K/V written into the pool, decode attention reading K/V from the pool's blocks in place, and the
-greedy argmax of the logits.
+RoPE with the new K/V written into the pool, decode attention reading K/V from the pool's blocks in place, the
+greedy argmax of the logits, and (csrc/cpu_gemm.cpp) a bf16 linear layer for decode-sized steps.
 
 A 32-row step of SmolLM2-135M is ~1,400 small torch ops on a 2-core CPU, and their dispatch and OpenMP
 barriers cost as much as the arithmetic; these kernels do the same work in 5 ops per layer besides the GEMMs,
@@ -30,7 +30,9 @@ import torch
 from python_backends.engine.device import cpu_flags
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "cpu_kernels.cpp", CSRC / "cpu_gemm.cpp"]   # the module (cpu_kernels.cpp) first
+HEADERS = [CSRC / "simd.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]       # libgomp.so.1: the loader reuses the copy torch already loaded (same soname)
 SETTINGS = ("auto", "on", "off")
@@ -45,7 +47,8 @@ def _cpu_id() -> str:
 
 
 def library_name() -> str:
-    digest = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(CFLAGS + LDFLAGS), torch.__version__,
+    texts = [f.read_text() for f in SOURCES + HEADERS]
+    digest = hashlib.sha256("\n".join([*texts, " ".join(CFLAGS + LDFLAGS), torch.__version__,
                                        _cpu_id()]).encode()).hexdigest()[:12]
     return f"fleet_cpu_kernels_{digest}"
 
@@ -74,7 +77,7 @@ def build(verbose: bool = False) -> ModuleType:
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
         lock.unlink(missing_ok=True)
     log.info("building the fused CPU kernels in %s (once per source and machine)", directory)
-    return build_extension(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+    return build_extension(name=name, sources=[str(f) for f in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                            build_directory=str(directory), verbose=verbose)
 
 

@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -95,18 +96,20 @@ def cpu_matmul_kind(setting: str, dtype: torch.dtype, device: torch.device) -> s
 class PackedLinear:
     """A CPU linear weight packed once for its GEMM library, so no call re-lays it out:
     - kind "bf16": oneDNN's blocked layout (what inductor's freezing pass does); bit for bit F.linear's products
-      (tested), 10-40 % faster for 1-32 rows on CPUs with AVX512;
+      (tested), 10-40 % faster for 1-32 rows on CPUs with AVX512; or, given `gemm` (the fused kernels' module),
+      that module's layout for its bf16 linear (csrc/cpu_gemm.cpp; see choose_bf16_gemm);
     - kind "fp16": fbgemm's fp16 packed matrix; fp32 activations in and out, fp32 accumulation;
     - kind "int8": the bf16 packing plus an int8 copy (symmetric per output row, scale = the row's largest
       magnitude / 127) that inputs of at most INT8_MAX_ROWS rows are multiplied with.
     `pack` returns None for any other kind (fp32, "" on CUDA) and where this torch build or CPU lacks the
     kernel; callers then keep a plain weight."""
 
-    def __init__(self, packed: object, kind: str):
-        self.packed, self.kind = packed, kind
+    def __init__(self, packed: object, kind: str, gemm: object = None, out_features: int = 0):
+        self.packed, self.kind, self.gemm, self.out_features = packed, kind, gemm, out_features
 
     @staticmethod
-    def pack(weight: torch.Tensor, kind: str = "bf16", rows_hint: int = 32) -> "PackedLinear | None":
+    def pack(weight: torch.Tensor, kind: str = "bf16", rows_hint: int = 32,
+             gemm: object = None) -> "PackedLinear | None":
         if weight.device.type != "cpu":
             return None
         try:
@@ -114,10 +117,12 @@ class PackedLinear:
                 linear = PackedLinear(torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None),
                                       kind)
             elif kind == "int8":
-                bf16 = PackedLinear.pack(weight, "bf16", rows_hint)
+                bf16 = PackedLinear.pack(weight, "bf16", rows_hint, gemm)
                 if bf16 is None:
                     return None
                 linear = PackedLinear((*int8_per_row(weight), bf16), kind)
+            elif kind == "bf16" and weight.dtype == torch.bfloat16 and gemm is not None:
+                linear = PackedLinear(gemm.pack_linear_weight(weight), kind, gemm, weight.shape[0])
             elif kind == "bf16" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
                 linear = PackedLinear(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint), kind)
             else:
@@ -136,7 +141,56 @@ class PackedLinear:
             if x.shape[0] > INT8_MAX_ROWS:     # int8 kernel at 32 rows: 55 ms per 30 layers, bf16 15 ms
                 return bf16(x)
             return torch.ops.aten._weight_int8pack_mm(x.contiguous(), q, scales)
+        if self.gemm is not None:
+            return self.gemm.linear_packed(x, self.packed, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
+
+
+BF16_GEMMS = ("auto", "kernel", "onednn")
+
+
+def choose_bf16_gemm(setting: str, kernels: object, sample: torch.Tensor | None, rows: int) -> str:
+    """Which library multiplies bf16 weights on this CPU: "kernel" (the fused kernels' bf16 linear, fp32 FMAs on
+    weights widened in registers) or "onednn" (PackedLinear's oneDNN packing). `auto` times both once on `sample`
+    (one of the model's weights) for 1 row and for `rows` rows and keeps the one faster in sum: which wins depends
+    on the CPU. On a 2-vCPU Xeon with AVX512-BF16 and no AMX, 30 layers + lm_head of SmolLM2-135M, 2 threads:
+    1 row 13.0 vs 21.5 ms, 32 rows 48.3 vs 73.9 ms (the kernel); where AMX tiles serve oneDNN it multiplies
+    32 rows in ~20 ms and is kept. Without the kernels (or an error timing them) the answer is onednn; with no
+    sample (a model whose GEMMs are not bf16) the setting is only checked."""
+    if setting not in BF16_GEMMS:
+        raise ValueError(f"cpu_bf16_gemm {setting!r}: allowed are {', '.join(BF16_GEMMS)}")
+    if sample is None:
+        return "onednn"
+    if setting == "kernel" and kernels is None:
+        raise ValueError("cpu_bf16_gemm 'kernel' needs the fused CPU kernels (cpu_kernels), which are off or unbuilt")
+    if setting != "auto" or kernels is None:
+        return setting if kernels is not None else "onednn"
+    timed = {}
+    try:
+        for name, gemm in (("kernel", kernels), ("onednn", None)):
+            linear = PackedLinear.pack(sample, "bf16", rows, gemm)
+            if linear is None:
+                return "kernel" if name == "onednn" else "onednn"
+            timed[name] = sum(_best_time(linear, torch.randn(n, sample.shape[1], dtype=sample.dtype))
+                              for n in (1, max(1, rows)))
+    except RuntimeError as exc:
+        log.warning("bf16 linear kernel failed its start-up timing (%s); oneDNN multiplies", exc)
+        return "onednn"
+    choice = min(timed, key=timed.get)
+    log.info("bf16 GEMM: %s (1 + %d rows on a %s weight: kernel %.3f ms, oneDNN %.3f ms)", choice, rows,
+             "x".join(map(str, sample.shape)), timed["kernel"] * 1e3, timed["onednn"] * 1e3)
+    return choice
+
+
+def _best_time(fn, x: torch.Tensor, runs: int = 7) -> float:
+    """The fastest of a few calls after a warm-up: the least disturbed by other work on a shared machine."""
+    fn(x)
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def int8_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -87,7 +87,7 @@ class LLMEngine:
         self.runner = ModelRunner(weights, config.dtype, config.num_kv_blocks, config.block_size,
                                   config.max_context, self.lora, config.cpu_matmul, self.device,
                                   state_dict, config.kv_memory_fraction, config.cpu_decode_attention,
-                                  config.cpu_kernels)
+                                  config.cpu_kernels, config.cpu_bf16_gemm, config.max_num_seqs)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
         if self.device.type == "cuda" and config.cuda_graphs and self.runner.paged:
             self.runner.capture_graphs(config.max_num_seqs)

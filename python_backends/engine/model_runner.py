@@ -28,7 +28,8 @@ from safetensors.torch import load_file
 
 from python_backends.engine import cpu_attention, cpu_kernels, paged_attention
 from python_backends.engine.batch import DecodeGroup, ForwardBatch, SeqChunk
-from python_backends.engine.device import PackedLinear, Staging, cpu_matmul_kind, kv_blocks_for_memory
+from python_backends.engine.device import (PackedLinear, Staging, choose_bf16_gemm, cpu_matmul_kind,
+                                           kv_blocks_for_memory)
 from python_backends.engine.lora import LoraManager
 from python_backends.engine.rope import rope_tables
 
@@ -54,9 +55,10 @@ class ModelRunner:
                  lora: LoraManager | None = None, cpu_matmul: str = "auto",
                  device: torch.device | str = "cpu", state_dict: dict[str, torch.Tensor] | None = None,
                  kv_memory_fraction: float = 0.85, cpu_decode_attention: str = "auto",
-                 cpu_kernels_setting: str = "auto"):
+                 cpu_kernels_setting: str = "auto", cpu_bf16_gemm: str = "auto", decode_rows: int = 32):
         """num_blocks 0 = as many as kv_memory_fraction of the free memory holds; state_dict replaces
-        model.safetensors (benchmarks on random weights); cpu_kernels_setting: auto | on | off (cpu_kernels.py)."""
+        model.safetensors (benchmarks on random weights); cpu_kernels_setting: auto | on | off (cpu_kernels.py);
+        cpu_bf16_gemm: auto | kernel | onednn, timed for 1 and `decode_rows` rows (device.choose_bf16_gemm)."""
         cfg = read_model_config(weights_dir)
         self.device = torch.device(device)
         # dtype names the weights' precision; self.dtype is the compute dtype (see precision)
@@ -79,6 +81,12 @@ class ModelRunner:
         self.lora = lora
         self._load(state_dict if state_dict is not None else load_file(str(weights_dir / "model.safetensors")),
                    cfg.get("tie_word_embeddings", False), DTYPES[dtype])
+        # CPU: fused kernels (norms, RoPE + K/V write, SiLU * up, bf16 GEMMs where they win) and, unless a torch
+        # decode attention is named, decode attention reading the pool in place; without them (or on CUDA) torch ops
+        self.kernels = cpu_kernels.resolve(cpu_kernels_setting, self.device)
+        sample = self.layers[0]["gate_up"] if self.matmul in ("bf16", "int8") else None
+        bf16_gemm = choose_bf16_gemm(cpu_bf16_gemm, self.kernels, sample, min(max(decode_rows, 1), 64))
+        self.gemm = self.kernels if bf16_gemm == "kernel" else None
         for L in self.layers:
             for key in ("qkv", "o", "gate_up", "down"):
                 L[key] = self._prepare_linear(L[key])
@@ -95,14 +103,12 @@ class ModelRunner:
             c[:, :, :block_size].zero_()
             c[:, :, num_blocks * block_size:].zero_()
         self.paged = self.device.type == "cuda" and paged_attention.available()
-        # CPU: fused kernels (norms, RoPE + K/V write, SiLU * up) and, unless a torch decode attention is named,
-        # decode attention reading the pool in place; without them (or on CUDA) torch ops
-        self.kernels = cpu_kernels.resolve(cpu_kernels_setting, self.device)
         self.cpu_paged = self.kernels is not None and cpu_decode_attention == "auto"
         if self.device.type == "cpu":
-            log.info("CPU step: %s, decode attention %s", "fused kernels" if self.kernels else "torch ops",
+            log.info("CPU step: %s, decode attention %s, %s GEMMs", "fused kernels" if self.kernels else "torch ops",
                      "in place over the pool (kernel)" if self.cpu_paged
-                     else f"{cpu_decode_attention} over gathered blocks")
+                     else f"{cpu_decode_attention} over gathered blocks",
+                     f"{self.matmul or 'fp32'} ({'kernel' if self.gemm else 'oneDNN/torch'})")
         self.decode_attention = None if self.paged or self.cpu_paged else cpu_attention.choose(
             cpu_decode_attention, self.dtype, self.n_heads, self.n_kv, self.head_dim, self.device)
         self.zeroed_blocks: set[int] = {0}                # CPU path: blocks whose unwritten slots are zero
@@ -141,7 +147,7 @@ class ModelRunner:
 
     def _prepare_linear(self, w: torch.Tensor) -> torch.Tensor | PackedLinear:
         """On the CPU, the weight packed once for the GEMM kind (device.PackedLinear), else in the compute dtype."""
-        return PackedLinear.pack(w, self.matmul) or w.to(self.dtype)
+        return PackedLinear.pack(w, self.matmul, gemm=self.gemm) or w.to(self.dtype)
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()

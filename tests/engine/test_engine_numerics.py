@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.settings import REPO_ROOT
-from python_backends.engine import device
+from python_backends.engine import cpu_kernels, device
 from python_backends.engine.device import (PackedLinear, cpu_has_bf16_units, cpu_matmul_kind, fbgemm_available,
                                            kv_blocks_for_memory, resolve_device)
 from tests.engine.conftest import CHAT
@@ -24,17 +24,19 @@ def _prompt(tokenizer) -> list[int]:
     return tokenizer.encode(CHAT.format("Explain in two sentences why the sky is blue, then name three colours.")).ids
 
 
-@pytest.mark.parametrize("matmul", ["bf16", "fp16"])
-def test_bf16_within_tolerance_of_fp32(make_engine, tokenizer, matmul):
+@pytest.mark.parametrize("matmul, gemm", [("bf16", "onednn"), ("bf16", "kernel"), ("fp16", "auto")])
+def test_bf16_within_tolerance_of_fp32(make_engine, tokenizer, matmul, gemm):
     """Stated tolerance, SmolLM2-135M, teacher-forced logits at every prompt position: relative L2 error of
-    bf16 weights vs fp32 under 5 % (bf16 activations) or 0.1 % (fp16-packed weights, fp32 activations: the
-    weights are the same numbers, only the summation order differs), and the top-1 token agrees at >= 90 %
-    (99 %) of the positions."""
+    bf16 weights vs fp32 under 5 % (bf16 activations; oneDNN's GEMMs or the fused kernels') or 0.1 %
+    (fp16-packed weights, fp32 activations: the weights are the same numbers, only the summation order
+    differs), and the top-1 token agrees at >= 90 % (99 %) of the positions."""
     if matmul == "fp16" and not fbgemm_available():
         pytest.skip("this torch build has no fbgemm")
+    if gemm == "kernel" and cpu_kernels.load() is None:
+        pytest.skip("the fused CPU kernels could not be built on this machine")
     prompt = _prompt(tokenizer)
     ref = prefill_logits(make_engine(), prompt)
-    got = prefill_logits(make_engine(dtype="bf16", cpu_matmul=matmul), prompt)
+    got = prefill_logits(make_engine(dtype="bf16", cpu_matmul=matmul, cpu_bf16_gemm=gemm), prompt)
     error, agree = {"bf16": (0.05, 0.9), "fp16": (0.001, 0.99)}[matmul]
     assert torch.linalg.norm(got - ref) / torch.linalg.norm(ref) < error
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= agree
