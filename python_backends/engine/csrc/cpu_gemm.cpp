@@ -34,7 +34,7 @@ inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kp, bf
   for (int64_t p = 0; p < kp; ++p) {
     for (int b = 0; b < B; ++b) {
       const uint16_t* src = w + b * block + p * COLS * 2;
-      _mm_prefetch(reinterpret_cast<const char*>(src + 8 * COLS * 2), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(src + 32 * COLS * 2), _MM_HINT_T0);
       const __m512i pair = _mm512_loadu_si512(src);
       const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));   // W[col, 2p]
       const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pair, high));   // W[col, 2p + 1]
