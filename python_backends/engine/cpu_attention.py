@@ -17,10 +17,11 @@ rounded to bf16 before the fp32 softmax); tests/engine/test_engine_numerics.py b
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 import torch.nn.functional as F
+
+from python_backends.engine.device import fastest
 
 log = logging.getLogger(__name__)
 DECODE_ATTENTIONS = ("auto", "sdpa", "matmul")
@@ -124,13 +125,6 @@ def _fastest(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, rows:
     v = torch.randn(kv_heads, rows, keys, head_dim, generator=gen).to(dtype)
     mask = (torch.arange(keys).unsqueeze(0) < torch.randint(keys // 2, keys + 1, (rows, 1), generator=gen))
     mask = mask.view(rows, 1, 1, keys)
-    best = {name: float("inf") for name in IMPLEMENTATIONS}
     with torch.inference_mode():
-        for name, fn in IMPLEMENTATIONS.items():
-            fn(q, k, v, mask)                                            # first call: kernel selection
-        for _ in range(repeats):
-            for name, fn in IMPLEMENTATIONS.items():
-                t = time.perf_counter()
-                fn(q, k, v, mask)
-                best[name] = min(best[name], time.perf_counter() - t)
+        best = fastest({name: (lambda fn=fn: fn(q, k, v, mask)) for name, fn in IMPLEMENTATIONS.items()}, repeats)
     return min(best, key=best.get), ", ".join(f"{n} {s * 1e3:.3f} ms" for n, s in best.items())

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -163,16 +164,20 @@ def choose_bf16_gemm(setting: str, kernels: object, sample: torch.Tensor | None,
         return "onednn"
     if setting == "kernel" and kernels is None:
         raise ValueError("cpu_bf16_gemm 'kernel' needs the fused CPU kernels (cpu_kernels), which are off or unbuilt")
-    if setting != "auto" or kernels is None:
-        return setting if kernels is not None else "onednn"
-    timed = {}
+    if kernels is None:
+        return "onednn"
+    if setting != "auto":
+        return setting
     try:
-        for name, gemm in (("kernel", kernels), ("onednn", None)):
-            linear = PackedLinear.pack(sample, "bf16", rows, gemm)
-            if linear is None:
-                return "kernel" if name == "onednn" else "onednn"
-            timed[name] = sum(_best_time(linear, torch.randn(n, sample.shape[1], dtype=sample.dtype))
-                              for n in (1, max(1, rows)))
+        linears = {name: PackedLinear.pack(sample, "bf16", rows, gemm) for name, gemm in (("kernel", kernels),
+                                                                                           ("onednn", None))}
+        if None in linears.values():              # one of them cannot pack here: the other it is
+            return "onednn" if linears["kernel"] is None else "kernel"
+        timed = {name: 0.0 for name in linears}
+        for n in (1, max(1, rows)):
+            x = torch.randn(n, sample.shape[1], dtype=sample.dtype)
+            for name, seconds in fastest({name: (lambda f=f: f(x)) for name, f in linears.items()}).items():
+                timed[name] += seconds
     except RuntimeError as exc:
         log.warning("bf16 linear kernel failed its start-up timing (%s); oneDNN multiplies", exc)
         return "onednn"
@@ -182,14 +187,17 @@ def choose_bf16_gemm(setting: str, kernels: object, sample: torch.Tensor | None,
     return choice
 
 
-def _best_time(fn, x: torch.Tensor, runs: int = 7) -> float:
-    """The fastest of a few calls after a warm-up: the least disturbed by other work on a shared machine."""
-    fn(x)
-    best = float("inf")
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn(x)
-        best = min(best, time.perf_counter() - start)
+def fastest(calls: dict[str, Callable[[], object]], repeats: int = 7) -> dict[str, float]:
+    """Each call's best time (s) of `repeats` after one warm-up call (kernel selection, first-touch), the calls
+    interleaved so that a burst of load on a shared machine hits all alike."""
+    for call in calls.values():
+        call()
+    best = {name: float("inf") for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
