@@ -121,6 +121,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         tasks: set[asyncio.Task] = set()
 
         async def put(item) -> None:
+            if not queue.full():    # the common case, without wait_for's task per response
+                queue.put_nowait(item)
+                return
             try:
                 await asyncio.wait_for(queue.put(item), limits.slow_reader_s)
             except TimeoutError:

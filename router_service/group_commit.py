@@ -1,0 +1,53 @@
+"""GroupCommit: database writes that arrive together share one transaction, off the event loop.
+
+A burst of requests each taking a quota lease in its own transaction waits in line: SQLite has one writer at a
+time, and every commit syncs the write-ahead log. 32 requests arriving at once through `fleet up` (SQLite)
+spent 116 ms each in the router before their upstream call (`fleet_router_dispatch_seconds`, mean), most of it
+waiting for the commits ahead of them. Here a write is queued and the first writer's worker thread takes every
+write queued by then into one transaction; writes that arrive while it runs form the next batch. No timer:
+a lone write goes at once, as before.
+
+`run_batch(items)` (called on a worker thread) returns one result per item, in order, each a value or an
+exception *instance* that belongs to that item alone (e.g. a refused quota); an exception it raises belongs to
+the whole batch (the transaction failed: nothing of it was written) and is raised to every writer in it.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+Item = TypeVar("Item")
+
+
+class GroupCommit(Generic[Item]):
+    def __init__(self, run_batch: Callable[[Sequence[Item]], list[object]]) -> None:
+        self._run_batch = run_batch
+        self._queued: list[tuple[Item, asyncio.Future]] = []
+        self._worker: asyncio.Task | None = None
+        self.batches = 0          # transactions run (tests and logs read them)
+
+    def submit(self, item: Item) -> asyncio.Future:
+        """Queue `item`; the future resolves to its result (or raises its exception) once its batch committed."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queued.append((item, future))
+        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
+            self._worker = loop.create_task(self._drain())
+        return future
+
+    async def _drain(self) -> None:
+        while self._queued:
+            batch, self._queued = self._queued, []
+            try:
+                results = await asyncio.to_thread(self._run_batch, [item for item, _ in batch])
+            except Exception as exc:  # the transaction failed: every write in it failed
+                results = [exc] * len(batch)
+            self.batches += 1
+            for (_, future), result in zip(batch, results):
+                if future.done():     # its writer's loop is gone (asyncio.run ended)
+                    continue
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
