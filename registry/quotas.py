@@ -11,6 +11,8 @@ leases every few seconds; one that dies stops renewing, and its leases lapse aft
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -38,34 +40,79 @@ def _lock_usage_row(session: Session, caller: str, day: str) -> int:
                                                                    QuotaUsage.day == day)) or 0)
 
 
+@dataclass(frozen=True)
+class LeaseRequest:
+    lease_id: str
+    caller: str
+    tokens: int            # reservation: prompt + max_tokens
+    quota: int             # the caller's tokens per day
+    max_concurrent: int    # 0 = no cap
+
+
+def admit_many(session: Session, requests: Sequence[LeaseRequest], *, day: str, router_id: str,
+               now: float | None = None) -> list[QuotaRefused | None]:
+    """Take a lease for each request, in order, in the session's transaction: None where taken, the
+    QuotaRefused where not (a refusal writes nothing of its own; the others in the batch still commit).
+    Each caller's row is locked once and callers in name order, so batches never wait on each other in a
+    cycle; a caller's later requests see its earlier ones' leases."""
+    now = time.time() if now is None else now
+    out: list[QuotaRefused | None] = [None] * len(requests)
+    by_caller: dict[str, list[int]] = {}
+    for i, r in enumerate(requests):
+        by_caller.setdefault(r.caller, []).append(i)
+    for caller in sorted(by_caller):
+        used = _lock_usage_row(session, caller, day)
+        live = (InflightLease.caller == caller, InflightLease.expires_at > now)
+        count = session.scalar(select(func.count()).select_from(InflightLease).where(*live)) or 0
+        reserved = int(session.scalar(select(func.coalesce(func.sum(InflightLease.reserved_tokens), 0))
+                                      .where(*live, InflightLease.day == day)) or 0)
+        for i in by_caller[caller]:
+            r = requests[i]
+            if r.max_concurrent and count >= r.max_concurrent:
+                out[i] = QuotaRefused("concurrency", f"concurrency: caller {caller!r} has {count} requests in "
+                                                     f"flight; its cap is {r.max_concurrent}")
+            elif used + reserved + r.tokens > r.quota:
+                out[i] = QuotaRefused("quota", f"token quota: caller {caller!r} has used {used + reserved} of "
+                                               f"{r.quota} tokens today (UTC); this request needs up to {r.tokens} "
+                                               f"(prompt + max_tokens)")
+            else:
+                count, reserved = count + 1, reserved + r.tokens
+                session.add(InflightLease(lease_id=r.lease_id, caller=caller, day=day, router_id=router_id,
+                                          reserved_tokens=r.tokens, expires_at=now + LEASE_TTL_S))
+    return out
+
+
 def admit(session: Session, *, lease_id: str, caller: str, day: str, router_id: str, tokens: int, quota: int,
           max_concurrent: int, now: float | None = None) -> None:
-    """Take a lease for one request, or raise QuotaRefused (the session must then be rolled back)."""
-    now = time.time() if now is None else now
-    used = _lock_usage_row(session, caller, day)
-    live = (InflightLease.caller == caller, InflightLease.expires_at > now)
-    count = session.scalar(select(func.count()).select_from(InflightLease).where(*live)) or 0
-    if max_concurrent and count >= max_concurrent:
-        raise QuotaRefused("concurrency", f"concurrency: caller {caller!r} has {count} requests in flight; its cap "
-                                          f"is {max_concurrent}")
-    reserved = int(session.scalar(select(func.coalesce(func.sum(InflightLease.reserved_tokens), 0))
-                                  .where(*live, InflightLease.day == day)) or 0)
-    if used + reserved + tokens > quota:
-        raise QuotaRefused("quota", f"token quota: caller {caller!r} has used {used + reserved} of {quota} tokens "
-                                    f"today (UTC); this request needs up to {tokens} (prompt + max_tokens)")
-    session.add(InflightLease(lease_id=lease_id, caller=caller, day=day, router_id=router_id,
-                              reserved_tokens=tokens, expires_at=now + LEASE_TTL_S))
+    """Take a lease for one request, or raise QuotaRefused."""
+    refused = admit_many(session, [LeaseRequest(lease_id, caller, tokens, quota, max_concurrent)], day=day,
+                         router_id=router_id, now=now)[0]
+    if refused is not None:
+        raise refused
+
+
+def settle_many(session: Session, used: Sequence[tuple[str, int]]) -> None:
+    """End leases (lease id, tokens the request really used) and count those tokens on each lease's day
+    (idempotent: a lease already gone is skipped). Callers' rows are locked in name order, as admit_many."""
+    leases = {lease.lease_id: lease for lease in
+              session.scalars(select(InflightLease).where(InflightLease.lease_id.in_([lid for lid, _ in used])))}
+    totals: dict[tuple[str, str], int] = {}
+    for lease_id, actual in used:
+        lease = leases.get(lease_id)
+        if lease is not None:
+            key = (lease.caller, lease.day)
+            totals[key] = totals.get(key, 0) + actual
+    for caller, day in sorted(totals):
+        _lock_usage_row(session, caller, day)
+        session.execute(update(QuotaUsage).where(QuotaUsage.caller == caller, QuotaUsage.day == day)
+                        .values(used_tokens=QuotaUsage.used_tokens + totals[caller, day]))
+    if leases:
+        session.execute(delete(InflightLease).where(InflightLease.lease_id.in_(list(leases))))
 
 
 def settle(session: Session, lease_id: str, actual_tokens: int) -> None:
-    """End a lease and count the tokens the request really used on the lease's day (idempotent)."""
-    lease = session.get(InflightLease, lease_id)
-    if lease is None:
-        return
-    _lock_usage_row(session, lease.caller, lease.day)
-    session.execute(update(QuotaUsage).where(QuotaUsage.caller == lease.caller, QuotaUsage.day == lease.day)
-                    .values(used_tokens=QuotaUsage.used_tokens + actual_tokens))
-    session.delete(lease)
+    """End one lease and count the tokens the request really used on the lease's day (idempotent)."""
+    settle_many(session, [(lease_id, actual_tokens)])
 
 
 def renew(session: Session, router_id: str, now: float | None = None) -> None:

@@ -69,15 +69,6 @@ class Gateway:
         b.tokens -= 1
 
 
-@dataclass(frozen=True)
-class _Admission:
-    lease_id: str
-    caller: str
-    quota: int
-    tokens: int
-    max_concurrent: int
-
-
 class QuotaLedger:
     """The router's handle on the shared quota and concurrency rows (registry/quotas.py)."""
 
@@ -91,34 +82,28 @@ class QuotaLedger:
         # average before the turns. On PostgreSQL the turns keep this router's settle batches and lease
         # renewals (which lock the same lease rows) from deadlocking.
         self._turn = threading.Lock()
-        self._admissions: GroupCommit[_Admission] = GroupCommit(self._admit_batch)
+        self._admissions: GroupCommit[quotas.LeaseRequest] = GroupCommit(self._admit_batch)
         self._settles: GroupCommit[tuple[str, int]] = GroupCommit(self._settle_batch)
 
-    def _admit_batch(self, items: Sequence[_Admission]) -> list[object]:
-        """Admit leases queued together in one transaction (GroupCommit): None for each admitted, the
-        RouterError for each refused. Callers' rows are locked in name order, so two routers' batches never
-        wait on each other in a cycle (PostgreSQL locks rows until the commit)."""
-        results: dict[int, object] = {}
+    def _admit_batch(self, items: Sequence[quotas.LeaseRequest]) -> list[object]:
+        """Admit leases queued together in one transaction (GroupCommit, quotas.admit_many): None for each
+        admitted, the RouterError for each refused."""
         with self._turn, session_scope(self.db_url) as s:
-            day = _today()
-            for i in sorted(range(len(items)), key=lambda i: items[i].caller):
-                a = items[i]
-                try:   # admit writes its lease only once every check passed: a refusal leaves nothing behind
-                    quotas.admit(s, lease_id=a.lease_id, caller=a.caller, day=day, router_id=self.router_id,
-                                 tokens=a.tokens, quota=a.quota, max_concurrent=a.max_concurrent)
-                    results[i] = None
-                except quotas.QuotaRefused as exc:
-                    retry = _ms_to_midnight() if exc.kind == "quota" else 1000
-                    results[i] = RouterError("resource_exhausted", exc.message, retry)
-        for i, a in enumerate(items):
-            if results[i] is None:
-                self.leases[a.lease_id] = a.caller
-        return [results[i] for i in range(len(items))]
+            refusals = quotas.admit_many(s, items, day=_today(), router_id=self.router_id)
+        out: list[object] = []
+        for item, refused in zip(items, refusals):
+            if refused is None:
+                self.leases[item.lease_id] = item.caller
+                out.append(None)
+            else:
+                retry = _ms_to_midnight() if refused.kind == "quota" else 1000
+                out.append(RouterError("resource_exhausted", refused.message, retry))
+        return out
 
     async def reserve(self, lease_id: str, caller: str, quota: int, tokens: int, max_concurrent: int) -> None:
         """Take a lease (tokens + one concurrency slot) or raise RESOURCE_EXHAUSTED. Leases asked for together
         are written in one transaction (GroupCommit)."""
-        admitted = self._admissions.submit(_Admission(lease_id, caller, quota, tokens, max_concurrent))
+        admitted = self._admissions.submit(quotas.LeaseRequest(lease_id, caller, tokens, quota, max_concurrent))
         try:
             await asyncio.shield(admitted)
         except asyncio.CancelledError:  # the caller left while the lease was being taken: give it back
@@ -130,15 +115,13 @@ class QuotaLedger:
         self._settle_batch([(lease_id, actual)])
 
     def _settle_batch(self, items: Sequence[tuple[str, int]]) -> list[object]:
-        mine = [(caller, lease, actual) for lease, actual in items
-                if (caller := self.leases.pop(lease, None)) is not None]
+        mine = [(lease, actual) for lease, actual in items if self.leases.pop(lease, None) is not None]
         if mine:
-            try:   # callers' rows in name order, as admissions lock them
+            try:
                 with self._turn, session_scope(self.db_url) as s:
-                    for _, lease, actual in sorted(mine):
-                        quotas.settle(s, lease, actual)
+                    quotas.settle_many(s, mine)
             except Exception as exc:  # the leases lapse on their own; metering (usage events) is unaffected
-                log.warning("could not settle quota leases %s: %s", ", ".join(lease for _, lease, _ in mine), exc)
+                log.warning("could not settle quota leases %s: %s", ", ".join(lease for lease, _ in mine), exc)
         return [None] * len(items)
 
     async def settle_off_loop(self, lease_id: str, actual: int) -> None:

@@ -23,31 +23,41 @@ Item = TypeVar("Item")
 class GroupCommit(Generic[Item]):
     def __init__(self, run_batch: Callable[[Sequence[Item]], list[object]]) -> None:
         self._run_batch = run_batch
-        self._queued: list[tuple[Item, asyncio.Future]] = []
-        self._worker: asyncio.Task | None = None
-        self.batches = 0          # transactions run (tests and logs read them)
+        # per event loop (a router has one; tests run several, each on its own thread): a future is resolved
+        # on the loop that awaits it
+        self._queued: dict[asyncio.AbstractEventLoop, list[tuple[Item, asyncio.Future]]] = {}
+        self._workers: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
+        self.batches = 0          # transactions run (tests read it)
 
     def submit(self, item: Item) -> asyncio.Future:
         """Queue `item`; the future resolves to its result (or raises its exception) once its batch committed."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queued.append((item, future))
-        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
-            self._worker = loop.create_task(self._drain())
+        self._queued.setdefault(loop, []).append((item, future))
+        worker = self._workers.get(loop)
+        if worker is None or worker.done():
+            self._workers[loop] = loop.create_task(self._drain(loop))
         return future
 
-    async def _drain(self) -> None:
-        while self._queued:
-            batch, self._queued = self._queued, []
-            try:
-                results = await asyncio.to_thread(self._run_batch, [item for item, _ in batch])
-            except Exception as exc:  # the transaction failed: every write in it failed
-                results = [exc] * len(batch)
-            self.batches += 1
-            for (_, future), result in zip(batch, results):
-                if future.done():     # its writer's loop is gone (asyncio.run ended)
-                    continue
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+    async def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        queued = self._queued[loop]
+        try:
+            while queued:
+                batch = queued[:]
+                queued.clear()
+                try:
+                    results = await asyncio.to_thread(self._run_batch, [item for item, _ in batch])
+                except Exception as exc:  # the transaction failed: every write in it failed
+                    results = [exc] * len(batch)
+                self.batches += 1
+                for (_, future), result in zip(batch, results):
+                    if future.done():     # its writer's loop is closing
+                        continue
+                    if isinstance(result, BaseException):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            if not queued:                # nothing left for this loop: forget it (no await since the check)
+                self._queued.pop(loop, None)
+                self._workers.pop(loop, None)
