@@ -42,11 +42,13 @@ def _settle(page, timeout_s: float = 60.0) -> None:
 
 
 def _charts_drawn(page, timeout_s: float = 15.0) -> None:
-    """Wait until every plotly chart on the page has drawn its SVG (a live fragment may redraw them)."""
+    """Wait until every plotly chart on screen has drawn its SVG (a live fragment may redraw them). Charts in
+    tabs not shown are not drawn until their tab is: waiting for them cost every such page the whole timeout."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if page.evaluate("""() => Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]'))
-                .every(c => c.querySelector('.main-svg .plot') !== null)"""):
+                .filter(c => c.offsetParent !== null && c.getClientRects().length > 0)
+                .every(c => c.querySelector('.main-svg') !== null)"""):
             break
         page.wait_for_timeout(250)
     page.wait_for_timeout(500)
