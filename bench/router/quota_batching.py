@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -31,10 +32,13 @@ from router_service.gateway import QuotaLedger, _today  # noqa: E402
 
 
 class PerRequestLedger:
-    """The peer: each lease and each settle its own transaction on a worker thread, taking turns."""
+    """The peer: each lease and each settle its own transaction on a worker thread, as the router did before
+    GroupCommit (taking turns inside the process on SQLite; on PostgreSQL concurrently, the caller's row lock
+    ordering them)."""
 
     def __init__(self, db_url: str) -> None:
-        self.db_url, self.turn = db_url, threading.Lock()
+        self.db_url = db_url
+        self.turn = threading.Lock() if db_url.startswith("sqlite") else contextlib.nullcontext()
 
     def _admit(self, lease_id: str) -> None:
         with self.turn, session_scope(self.db_url) as s:
