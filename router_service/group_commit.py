@@ -2,8 +2,8 @@
 
 A burst of requests each taking a quota lease in its own transaction waits in line: SQLite has one writer at a
 time, and every commit syncs the write-ahead log. 32 requests arriving at once through `fleet up` (SQLite)
-spent 116 ms each in the router before their upstream call (`fleet_router_dispatch_seconds`, mean), most of it
-waiting for the commits ahead of them. Here a write is queued and the first writer's worker thread takes every
+spent 106-115 ms each in the router before their upstream call (`fleet_router_dispatch_seconds`, mean), most of
+it waiting for the commits ahead of them; 17-22 ms with the batches (`python -m bench.engine.platform_profile`). Here a write is queued and the first writer's worker thread takes every
 write queued by then into one transaction; writes that arrive while it runs form the next batch. No timer:
 a lone write goes at once, as before.
 

@@ -17,6 +17,7 @@ The GPU mode is bench/engine/gpu_bench.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -25,6 +26,8 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -119,36 +122,53 @@ def hf_dtype(setting: str) -> str:
     return "bf16" if cpu_has_bf16_units() else "fp32"
 
 
+@dataclass
+class RunningPlatform:
+    env: dict[str, str]
+    data_dir: Path
+    api_key: str
+    grpc_url: str
+
+
+@contextlib.contextmanager
+def platform_up(settings, concurrency: int, args, prefix: str,
+                extra_env: dict[str, str] | None = None) -> Iterator[RunningPlatform]:
+    """`fleet up` on a throwaway data dir (router, one engine replica, Kafka-protocol broker, usage loader,
+    admin UI; autoscaler off, so the replica stays one) with the engine's settings for `concurrency`, once it has
+    answered a first request through the router; `fleet down` after. The router's per-replica stream cap follows
+    the level (as the engine's max_num_seqs does) and its first-token timeout is raised to 600 s so an
+    overloaded level is measured, not cordoned."""
+    data_dir = Path(tempfile.mkdtemp(prefix=prefix, dir=settings.data_dir))
+    env = throwaway_platform_env(data_dir)
+    env.update(FLEET_ROUTER_REPLICA_CONCURRENCY=str(max(concurrency, 1)),
+               FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S="interactive=600,standard=600,batch=600",
+               **engine_env(concurrency, args), **(extra_env or {}))
+
+    def fleet(*cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "fleet.cli", *cmd], env=env, cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=900)
+    up = fleet("up")
+    try:
+        if up.returncode:
+            raise RuntimeError(f"fleet up failed:\n{up.stdout[-2000:]}\n{up.stderr[-2000:]}")
+        platform = RunningPlatform(env, data_dir, (data_dir / "dev-api-key").read_text().strip(),
+                                   f"127.0.0.1:{env['FLEET_ROUTER_GRPC_PORT']}")
+        probe = [Request(idx=-1, arrival_s=0.0, prompt_ids=[1, 2, 3], max_tokens=2, shared_prefix=False)]
+        wait_until(lambda: not run_triton(platform.grpc_url, probe, 1, PLATFORM_MODEL, platform.api_key)[0].error,
+                   300, "a first request through the router")
+        yield platform
+    finally:
+        fleet("down")
+
+
 def bench_platform(settings, workloads: dict, args) -> dict:
-    """The whole platform as callers meet it: `fleet up` on a throwaway data dir (router, one engine replica,
-    Kafka-protocol broker, usage loader, admin UI; autoscaler off, so the replica stays one), every request
-    through the router's KServe gRPC stream with the dev API key, standard tier. The router's per-replica
-    stream cap follows the level (as the engine's max_num_seqs does) and its first-token timeout is raised
-    to 600 s so an overloaded level is measured, not cordoned."""
+    """The whole platform as callers meet it (`platform_up`): every request through the router's KServe gRPC
+    stream with the dev API key, standard tier."""
     out = {}
     for key, (conc, reqs) in workloads.items():
-        data_dir = Path(tempfile.mkdtemp(prefix=f"bench-platform-{key}-", dir=settings.data_dir))
-        env = throwaway_platform_env(data_dir)
-        env.update(FLEET_ROUTER_REPLICA_CONCURRENCY=str(max(conc, 1)),
-                   FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S="interactive=600,standard=600,batch=600",
-                   **engine_env(conc, args))
-
-        def fleet(*cmd: str) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-m", "fleet.cli", *cmd], env=env, cwd=REPO_ROOT,
-                                  capture_output=True, text=True, timeout=900)
-        up = fleet("up")
-        try:
-            if up.returncode:
-                raise RuntimeError(f"fleet up failed:\n{up.stdout[-2000:]}\n{up.stderr[-2000:]}")
-            api_key = (data_dir / "dev-api-key").read_text().strip()
-            grpc_url = f"127.0.0.1:{env['FLEET_ROUTER_GRPC_PORT']}"
-            probe = [Request(idx=-1, arrival_s=0.0, prompt_ids=[1, 2, 3], max_tokens=2, shared_prefix=False)]
-            wait_until(lambda: not run_triton(grpc_url, probe, 1, PLATFORM_MODEL, api_key)[0].error, 300,
-                       "a first request through the router")
+        with platform_up(settings, conc, args, f"bench-platform-{key}-") as p:
             before = wait_quiet("the platform")
-            s = summarize(run_triton(grpc_url, reqs, conc, PLATFORM_MODEL, api_key)) | before
-        finally:
-            fleet("down")
+            s = summarize(run_triton(p.grpc_url, reqs, conc, PLATFORM_MODEL, p.api_key)) | before
         out[key] = s
         print(f"platform {key}: {json.dumps(s)}", flush=True)
     return out

@@ -16,20 +16,16 @@ import argparse
 import json
 import os
 import re
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import psutil
 
-from bench.engine.bench_engine import PLATFORM_MODEL, RESULTS, engine_env, wait_quiet
+from bench.engine.bench_engine import PLATFORM_MODEL, RESULTS, platform_up, wait_quiet
 from bench.engine.peers import run_triton, summarize
-from bench.engine.workload import Request, make_burst
-from common.processes import throwaway_platform_env, wait_until
-from common.settings import REPO_ROOT, load_settings
+from bench.engine.workload import make_burst
+from common.settings import load_settings
 
 # process roles by command line (first match wins)
 ROLES = [("replica (python backend stub)", "triton_python_backend_stub"), ("tritonserver", "tritonserver"),
@@ -80,6 +76,11 @@ def since(after: dict, before: dict) -> dict:
     return {"count": n, "mean_ms": (after["sum"] - before["sum"]) / n * 1000 if n else None, "within_50ms": within}
 
 
+def gained(before: str, after: str, name: str) -> dict:
+    """`since` for histogram `name` between two scrapes' texts."""
+    return since(histogram(after, name), histogram(before, name))
+
+
 def scrape(url: str) -> str:
     return urllib.request.urlopen(url, timeout=5).read().decode()
 
@@ -107,31 +108,14 @@ def main() -> None:
     settings = load_settings()
     knobs = argparse.Namespace(kv_blocks=4096, step_tokens=256, threads=2, cpu_matmul="auto", cpu_kernels="auto",
                                stream_interval=args.stream_interval)
-    data_dir = Path(tempfile.mkdtemp(prefix="platform-profile-", dir=settings.data_dir))
-    env = throwaway_platform_env(data_dir)
-    env.update(FLEET_ROUTER_REPLICA_CONCURRENCY=str(args.streams),
-               FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S="interactive=600,standard=600,batch=600",
-               **engine_env(args.streams, knobs))
     extra = dict(kv.split("=", 1) for kv in args.env)
-    env.update(extra)
-
-    def fleet(*cmd: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "fleet.cli", *cmd], env=env, cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=900)
     report = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg": [round(x, 2) for x in os.getloadavg()],
               "streams": args.streams, "tokens": args.tokens, "env": extra,
               "stream_interval": args.stream_interval or "default", "bursts": []}
     print("fleet up ...", flush=True)
-    up = fleet("up")
-    try:
-        if up.returncode:
-            raise SystemExit(f"fleet up failed:\n{up.stdout[-2000:]}\n{up.stderr[-2000:]}")
-        api_key = (data_dir / "dev-api-key").read_text().strip()
-        grpc_url = f"127.0.0.1:{env['FLEET_ROUTER_GRPC_PORT']}"
-        router_metrics = f"http://127.0.0.1:{env['FLEET_ROUTER_HTTP_PORT']}/metrics"
-        probe = [Request(idx=-1, arrival_s=0.0, prompt_ids=[1, 2, 3], max_tokens=2, shared_prefix=False)]
-        wait_until(lambda: not run_triton(grpc_url, probe, 1, PLATFORM_MODEL, api_key)[0].error, 300,
-                   "a first request through the router")
+    with platform_up(settings, args.streams, knobs, "platform-profile-", extra) as platform:
+        grpc_url, api_key = platform.grpc_url, platform.api_key
+        router_metrics = f"http://127.0.0.1:{platform.env['FLEET_ROUTER_HTTP_PORT']}/metrics"
         replica_metrics = replica_metrics_url()
         if args.idle_s:
             wait_quiet("the platform")
@@ -152,16 +136,11 @@ def main() -> None:
             row = {"round": r, "wall_s": round(wall, 3), **quiet,
                    **{k: s[k] for k in ("errors", "throughput_tok_s", "ttft_ms_p50", "ttft_ms_p95", "tpot_ms_p50")},
                    "cpu_s": delta(cpu1, cpu0),
-                   "router_dispatch": since(histogram(m1, "fleet_router_dispatch_seconds"),
-                                            histogram(m0, "fleet_router_dispatch_seconds")),
-                   "router_ttft": since(histogram(m1, "fleet_router_ttft_seconds"),
-                                        histogram(m0, "fleet_router_ttft_seconds")),
-                   "engine_ttft": since(histogram(e1, "fleet_engine_ttft_seconds"),
-                                        histogram(e0, "fleet_engine_ttft_seconds")) if replica_metrics else None}
+                   "router_dispatch": gained(m0, m1, "fleet_router_dispatch_seconds"),
+                   "router_ttft": gained(m0, m1, "fleet_router_ttft_seconds"),
+                   "engine_ttft": gained(e0, e1, "fleet_engine_ttft_seconds") if replica_metrics else None}
             report["bursts"].append(row)
             print(json.dumps(row), flush=True)
-    finally:
-        fleet("down")
     out = args.out or RESULTS / f"platform-profile-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
