@@ -182,7 +182,8 @@ def choose_bf16_gemm(setting: str, kernels: object, sample: torch.Tensor | None,
         log.warning("bf16 linear kernel failed its start-up timing (%s); oneDNN multiplies", exc)
         return "onednn"
     choice = min(timed, key=timed.get)
-    log.info("bf16 GEMM: %s (1 + %d rows on a %s weight: kernel %.3f ms, oneDNN %.3f ms)", choice, rows,
+    tiles = ", AMX tiles from 7 rows" if choice == "kernel" and kernels.amx_tiles() else ""
+    log.info("bf16 GEMM: %s%s (1 + %d rows on a %s weight: kernel %.3f ms, oneDNN %.3f ms)", choice, tiles, rows,
              "x".join(map(str, sample.shape)), timed["kernel"] * 1e3, timed["onednn"] * 1e3)
     return choice
 

@@ -33,6 +33,13 @@ def _within_one_ulp(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None
     (13, 50, 33),        # odd K: the last k pair is half padding
     (70, 64, 1536),      # more rows than one micro-kernel call, the down projection's K
     (3, 4099, 96),       # many column blocks and a ragged tail
+    # from 7 rows on, AMX tiles where the CPU has them (K a multiple of 32): 16-row tiles, ragged rows and
+    # columns, an odd number of column blocks, two tiles of rows and more
+    (16, 48, 64),
+    (17, 33, 96),
+    (45, 4099, 576),
+    (7, 200, 1536),
+    (130, 96, 64),
 ])
 def test_linear_matches_the_fp32_product(rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows * out_features)
@@ -48,21 +55,23 @@ def test_linear_matches_the_fp32_product(rows, out_features, in_features):
 def test_strided_rows_and_empty_batches():
     w = torch.randn(48, 64).to(torch.bfloat16)
     packed = K.pack_linear_weight(w)
-    wide = torch.randn(5, 128).to(torch.bfloat16)
-    x = wide[:, ::2]                                     # rows not contiguous
-    _within_one_ulp(K.linear_packed(x, packed, 48), x, w)
+    for rows in (5, 24):                                 # the FMA path, and AMX tiles where there are
+        wide = torch.randn(rows, 128).to(torch.bfloat16)
+        x = wide[:, ::2]                                 # rows not contiguous
+        _within_one_ulp(K.linear_packed(x, packed, 48), x, w)
     assert K.linear_packed(torch.empty(0, 64, dtype=torch.bfloat16), packed, 48).shape == (0, 48)
 
 
-def test_nan_and_inf_stay_in_their_rows():
-    w = torch.randn(40, 32).to(torch.bfloat16)
-    x = torch.randn(3, 32).to(torch.bfloat16)
+@pytest.mark.parametrize("rows, in_features", [(3, 32), (20, 64)])    # 20 x 64: AMX tiles where there are
+def test_nan_and_inf_stay_in_their_rows(rows, in_features):
+    w = torch.randn(40, in_features).to(torch.bfloat16)
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
     x[0, 5] = float("nan")
     x[1, 7] = float("inf")
     y = K.linear_packed(x, K.pack_linear_weight(w), 40)
     assert y[0].isnan().all()
     assert (y[1].isinf() | y[1].isnan()).all()           # inf times a weight of either sign (or 0: NaN)
-    assert y[2].isfinite().all()
+    assert y[2:].isfinite().all()
 
 
 def test_mismatched_inputs_are_refused():

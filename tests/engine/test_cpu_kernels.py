@@ -86,13 +86,14 @@ def test_rope_rotates_q_and_k_in_place_and_writes_kv_at_the_slots(dtype):
     assert (kc[:, untouched] == 0).all() and (vc[:, untouched] == 0).all()
 
 
-def _attention_reference(q, kc, vc, tables, lens, d):
+def _attention_reference(q, kc, vc, tables, lens, d, heads=H, block_size=BS):
+    kv = kc.shape[0]
     rows = []
     for b, n in enumerate(lens):
-        slots = torch.tensor([tables[b][t // BS] * BS + t % BS for t in range(n)])
-        k = kc[:, slots].float().repeat_interleave(H // KV, 0)                   # [H, n, D]
-        v = vc[:, slots].float().repeat_interleave(H // KV, 0)
-        scores = torch.einsum("hd,hnd->hn", q[b].view(H, d).float(), k) / d ** 0.5
+        slots = torch.tensor([tables[b][t // block_size] * block_size + t % block_size for t in range(n)])
+        k = kc[:, slots].float().repeat_interleave(heads // kv, 0)                   # [H, n, D]
+        v = vc[:, slots].float().repeat_interleave(heads // kv, 0)
+        scores = torch.einsum("hd,hnd->hn", q[b].view(heads, d).float(), k) / d ** 0.5
         rows.append(torch.einsum("hn,hnd->hd", torch.softmax(scores, -1), v).reshape(-1))
     return torch.stack(rows)
 
@@ -119,6 +120,40 @@ def test_decode_attention_reads_each_rows_blocks_in_place(dtype, tolerance, head
     want = _attention_reference(q, kc, vc, tables, lens, d)
     assert got.shape == (len(lens), H * d) and got.dtype == dtype
     assert ((got.float() - want).norm() / want.norm()).item() < tolerance
+
+
+@pytest.mark.parametrize("heads, kv_heads, block_size, head_dim", [
+    (9, 3, 16, 64),       # SmolLM2: 3 query heads per K/V head
+    (32, 4, 32, 128),     # 8 per K/V head (Llama-3), two 16-key tiles per block
+    (16, 1, 16, 64),      # 16 per K/V head: a whole AMX tile of heads
+    (34, 2, 16, 64),      # 17 per K/V head: more than one tile holds (the AVX-512 scores)
+    (8, 2, 8, 64),        # blocks of 8 keys: not whole tiles (the AVX-512 scores)
+])
+def test_decode_attention_bf16_shapes_and_unwritten_slots(heads, kv_heads, block_size, head_dim):
+    """bf16 decode attention for the GQA ratios and block sizes the engine meets (AMX scores where the CPU has
+    tiles and the shape allows, AVX-512 elsewhere: the same answer); a block's slots past a row's length hold
+    NaN here (a freed sequence's leftovers may be anything) and never reach the output."""
+    gen = torch.Generator().manual_seed(heads * block_size)
+    blocks, d = 24, head_dim
+    kc = torch.randn(kv_heads, blocks * block_size, d, generator=gen).to(torch.bfloat16)
+    vc = torch.randn(kv_heads, blocks * block_size, d, generator=gen).to(torch.bfloat16)
+    lens = [1, block_size + 1, 3 * block_size - 5, 70]
+    order = torch.randperm(blocks, generator=gen).tolist()
+    tables, at = [], 0
+    for n in lens:
+        nb = -(-n // block_size)
+        tables.append(order[at:at + nb])
+        at += nb
+        last = tables[-1][-1] * block_size
+        for cache in (kc, vc):
+            cache[:, last + (n - 1) % block_size + 1:last + block_size] = float("nan")
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(lens), heads * d, generator=gen).to(torch.bfloat16)
+    got = K.decode_attention(q, kc, vc, padded, torch.tensor(lens), block_size, d ** -0.5)
+    want = _attention_reference(q, kc, vc, tables, lens, d, heads, block_size)
+    assert got.isfinite().all()
+    assert ((got.float() - want).norm() / want.norm()).item() < 4e-3
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

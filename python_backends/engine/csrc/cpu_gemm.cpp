@@ -77,6 +77,73 @@ void group(int64_t blocks, int64_t rows, const float* x, int64_t ldx, const uint
     default: micro_rows<4>(rows, x, ldx, w, kp, y, ldy, cols_left); break;
   }
 }
+
+#ifdef FLEET_AMX
+// AMX tiles (Sapphire Rapids and later): one tdpbf16ps multiplies a 16 x 32 block of x by a 32 x 16 block of
+// W, fp32 sums. The packed layout above is already AMX's B layout: 16 k pairs of one column block are one 1 KB
+// tile at a 64-byte stride. Used for M >= AMX_MIN_ROWS, where the FMA path reads each weight once per six rows
+// but AMX reads it once per 32 (a 32-row step's GEMMs at ~11 GB/s with oneDNN's AMX GEMM, see docs/engine.md).
+constexpr int64_t AMX_MIN_ROWS = MR + 1;   // more rows than one FMA micro-kernel call: it would read W twice
+
+// c[0:16*MT, 0:16*NT] (fp32, row stride 32) = x[0:16*MT, :] times NT column blocks of the packed weight.
+template <int MT, int NT>
+void amx_block(const bf16* x, int64_t ldx, const uint16_t* w, int64_t kp, float* c) {
+  const int64_t block = kp * COLS * 2;
+  _tile_zero(0);
+  if constexpr (NT == 2) _tile_zero(1);
+  if constexpr (MT == 2) _tile_zero(2);
+  if constexpr (MT == 2 && NT == 2) _tile_zero(3);
+  for (int64_t p = 0; p < kp; p += 16) {
+    _tile_loadd(4, x + 2 * p, ldx * 2);
+    _tile_loadd(6, w + p * COLS * 2, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT == 2) {
+      _tile_loadd(7, w + block + p * COLS * 2, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (MT == 2) {
+      _tile_loadd(5, x + 16 * ldx + 2 * p, ldx * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 32 * 4);
+  if constexpr (NT == 2) _tile_stored(1, c + 16, 32 * 4);
+  if constexpr (MT == 2) _tile_stored(2, c + 16 * 32, 32 * 4);
+  if constexpr (MT == 2 && NT == 2) _tile_stored(3, c + 16 * 32 + 16, 32 * 4);
+}
+
+// y = x W^T through AMX; x has a multiple of 16 rows (zero padded) of which the first `rows` are stored.
+void amx_linear(const bf16* x, int64_t ldx, int64_t rows, const uint16_t* w, int64_t kp, int64_t blocks, bf16* y,
+                int64_t n) {
+  const int64_t padded = (rows + 15) / 16 * 16, block = kp * COLS * 2;
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t q0, int64_t q1) {
+    amx_configure();
+    alignas(64) float c[32 * 32];
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t b = 2 * q, col = b * COLS;
+      const bool two_blocks = b + 1 < blocks;
+      for (int64_t m = 0; m < padded; m += 32) {
+        const bool two_tiles = m + 16 < padded;
+        const bf16* xm = x + m * ldx;
+        if (two_tiles && two_blocks) amx_block<2, 2>(xm, ldx, w + b * block, kp, c);
+        else if (two_tiles) amx_block<2, 1>(xm, ldx, w + b * block, kp, c);
+        else if (two_blocks) amx_block<1, 2>(xm, ldx, w + b * block, kp, c);
+        else amx_block<1, 1>(xm, ldx, w + b * block, kp, c);
+        for (int64_t r = 0; r < std::min<int64_t>(32, rows - m); ++r)
+          for (int64_t t = 0; t < (two_blocks ? 2 : 1); ++t) {
+            const int64_t left = n - col - t * COLS;
+            const __m256i out = _mm512_cvtepi32_epi16(bf16_bits(_mm512_load_ps(c + r * 32 + t * COLS)));
+            bf16* dst = y + (m + r) * n + col + t * COLS;
+            if (left >= COLS) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), out);
+            else if (left > 0) _mm256_mask_storeu_epi16(dst, __mmask16((1u << left) - 1), out);
+          }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
 #else
 // Portable loop (CPUs without AVX-512: the model runner's timing then keeps oneDNN).
 void group(int64_t blocks, int64_t rows, const float* x, int64_t ldx, const uint16_t* w, int64_t kp, bf16* y,
@@ -96,6 +163,15 @@ void group(int64_t blocks, int64_t rows, const float* x, int64_t ldx, const uint
 #endif
 
 }  // namespace
+
+// Whether linear_packed multiplies steps of AMX_MIN_ROWS or more rows on AMX tiles in this process.
+bool amx_tiles() {
+#ifdef FLEET_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
 
 // [N, K] bf16 -> the packed layout above.
 torch::Tensor pack_linear_weight(torch::Tensor w) {
@@ -130,6 +206,16 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n) {
               blocks, " column blocks");
   auto y = torch::empty({M, n}, x.options());
   if (M == 0) return y;
+#ifdef FLEET_AMX
+  if (M >= AMX_MIN_ROWS && kp % 16 == 0 && amx_permitted()) {
+    // A tiles read 16 rows at a time: rows past M must exist (zeros), so a ragged x is copied once
+    auto xa = (M % 16 == 0 && x.is_contiguous()) ? x : torch::zeros({(M + 15) / 16 * 16, K}, x.options());
+    if (!xa.is_same(x)) xa.narrow(0, 0, M).copy_(x);
+    amx_linear(xa.data_ptr<bf16>(), K, M, reinterpret_cast<const uint16_t*>(packed.data_ptr()), kp, blocks,
+               y.data_ptr<bf16>(), n);
+    return y;
+  }
+#endif
   // x widened once to fp32 (and to an even K) so the micro-kernel broadcasts fp32 values
   auto xf = torch::zeros({M, 2 * kp}, x.options().dtype(at::kFloat));
   xf.narrow(1, 0, K).copy_(x);

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -209,12 +210,18 @@ inline void softmax_rows(float* scores, int64_t n, int64_t G) {
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * n;
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
     float sum = 0.f;
     int64_t t = 0;
 #if defined(__AVX512F__)
+    __m512 mv = _mm512_set1_ps(m);
+    for (; t + 16 <= n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
+    m = _mm512_reduce_max_ps(mv);
+#endif
+    for (; t < n; ++t) m = std::max(m, sg[t]);
+    t = 0;
+#if defined(__AVX512F__)
     __m512 acc = _mm512_setzero_ps();
-    const __m512 mv = _mm512_set1_ps(m);
+    mv = _mm512_set1_ps(m);
     for (; t + 16 <= n; t += 16) {
       const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mv));
       _mm512_storeu_ps(sg + t, e);
@@ -224,7 +231,12 @@ inline void softmax_rows(float* scores, int64_t n, int64_t G) {
 #endif
     for (; t < n; ++t) { sg[t] = fast_exp(sg[t] - m); sum += sg[t]; }
     const float inv = 1.f / sum;
-    for (t = 0; t < n; ++t) sg[t] *= inv;
+    t = 0;
+#if defined(__AVX512F__)
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (; t + 16 <= n; t += 16) _mm512_storeu_ps(sg + t, _mm512_mul_ps(_mm512_loadu_ps(sg + t), iv));
+#endif
+    for (; t < n; ++t) sg[t] *= inv;
   }
 }
 
@@ -239,6 +251,84 @@ inline void prefetch_row(const T* base, const int64_t* table, int64_t i, int64_t
   const char* p = reinterpret_cast<const char*>(base + (table[i] * bs + r) * D);
   for (int64_t off = 0; off < int64_t(D * sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
+
+// acc[g] = sum_t scores[g][t] v_t for the G heads of one task, D = 16*C. Keys outer: each value row is read and
+// widened once per GS heads, whose accumulators stay in registers (GS * C <= 24 of the 32 zmm).
+template <typename T, int C, int GS>
+void weighted_values_group(const float* scores, int64_t n, const T* vbase, const int64_t* table, int64_t bs,
+                           int64_t g0, float* acc) {
+  constexpr int64_t D = 16 * C;
+  __m512 o[GS][C];
+  for (int g = 0; g < GS; ++g)
+    for (int c = 0; c < C; ++c) o[g][c] = _mm512_setzero_ps();
+  const int64_t last_block = (n - 1) / bs;
+  for (int64_t blk = 0, t0 = 0; blk <= last_block; ++blk, t0 += bs) {   // no division per key
+    const T* vb = vbase + table[blk] * bs * D;
+    const int64_t rows = std::min(bs, n - t0);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (g0 == 0) prefetch_row(vbase, table, blk + 1 <= last_block ? blk + 1 : -1, r, bs, D);
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load16(vb + r * D + 16 * c);
+      for (int g = 0; g < GS; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * n + t0 + r]);
+        for (int c = 0; c < C; ++c) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < GS; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (g0 + g) * D + 16 * c, o[g][c]);
+}
+
+template <typename T, int C, int GS = 24 / C>
+void weighted_values_heads(int64_t heads, const float* scores, int64_t n, const T* vbase, const int64_t* table,
+                           int64_t bs, int64_t g0, float* acc) {
+  if constexpr (GS > 1) {
+    if (heads < GS) return weighted_values_heads<T, C, GS - 1>(heads, scores, n, vbase, table, bs, g0, acc);
+  }
+  weighted_values_group<T, C, GS>(scores, n, vbase, table, bs, g0, acc);
+}
+
+template <typename T, int C>
+void weighted_values(const float* scores, int64_t n, int64_t G, const T* vbase, const int64_t* table, int64_t bs,
+                     float* acc) {
+  constexpr int64_t most = 24 / C;
+  for (int64_t g0 = 0; g0 < G; g0 += most)
+    weighted_values_heads<T, C>(std::min(most, G - g0), scores, n, vbase, table, bs, g0, acc);
+}
+
+#ifdef FLEET_AMX
+// scores[g][t] = scale * q_g . k_t for the G <= 16 query heads of one task (bf16, D = 16*C), 16 keys per tile
+// product: 16 key rows as they lie in a block are an A tile (block_size a multiple of 16), the heads' q rows
+// laid out in k pairs (AMX's B layout, zero past G) the B tile; the 16 x 16 fp32 result holds the G columns used.
+template <int C>
+void amx_scores(const bf16* q, int64_t G, const bf16* kbase, const bf16* vbase, const int64_t* table, int64_t n,
+                int64_t bs, float scale, float* scores) {
+  constexpr int64_t D = 16 * C, CH = D / 32;
+  alignas(64) uint16_t qt[CH][16][16][2] = {};
+  const uint16_t* qs = reinterpret_cast<const uint16_t*>(q);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) qt[d / 32][(d % 32) / 2][g][d % 2] = qs[g * D + d];
+  alignas(64) float tile[16 * 16];
+  const int64_t last_block = (n - 1) / bs;
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t blk = t0 / bs, r0 = t0 % bs;
+    const bf16* k = kbase + (table[blk] * bs + r0) * D;
+    for (int64_t r = r0; r < r0 + 16; ++r) {   // the next block's keys and these values, as attend_avx512
+      prefetch_row(kbase, table, blk + 1 <= last_block ? blk + 1 : -1, r, bs, D);
+      prefetch_row(vbase, table, blk, r, bs, D);
+    }
+    _tile_zero(0);
+    for (int64_t c = 0; c < CH; ++c) {
+      _tile_loadd(4, k + 32 * c, D * 2);
+      _tile_loadd(6, qt[c], 64);
+      _tile_dpbf16ps(0, 4, 6);
+    }
+    _tile_stored(0, tile, 64);
+    for (int64_t t = 0; t < std::min<int64_t>(16, n - t0); ++t)
+      for (int64_t g = 0; g < G; ++g) scores[g * n + t0 + t] = tile[t * 16 + g] * scale;
+  }
+}
+#endif
 
 // One (row, KV head) task with head_dim = 16*C, AVX-512: each key row is converted to fp32 once and dotted
 // with the G query heads; each value row is converted once and added into the G accumulators.
@@ -263,17 +353,7 @@ void attend_avx512(const float* qf, const T* kbase, const T* vbase, const int64_
     }
   }
   softmax_rows(scores, n, G);
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 o[C];
-    for (int c = 0; c < C; ++c) o[c] = _mm512_setzero_ps();
-    const float* pg = scores + g * n;
-    for (int64_t t = 0; t < n; ++t) {
-      const T* v = vbase + (table[t / bs] * bs + t % bs) * D;
-      const __m512 p = _mm512_set1_ps(pg[t]);
-      for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(p, load16(v + 16 * c), o[c]);
-    }
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, o[c]);
-  }
+  weighted_values<T, C>(scores, n, G, vbase, table, bs, acc);
 }
 #endif
 
@@ -319,16 +399,37 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   const T* vc = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t qs = q.stride(0);
+  bool amx = false;   // bf16 scores on AMX tiles: 16 keys of a block per tile product
+#ifdef FLEET_AMX
+  if constexpr (std::is_same_v<T, bf16>) amx = bs % 16 == 0 && G <= 16 && (D == 64 || D == 128) && amx_permitted();
+#endif
   at::parallel_for(0, B * KV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), row(D), scores;
+#ifdef FLEET_AMX
+    if (amx) amx_configure();
+#endif
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KV, g0 = task % KV, n = lens[b];
       const int64_t* table = tables + b * W;
       scores.resize(G * n);
       const T* qrow = qp + b * qs + g0 * G * D;
-      for (int64_t j = 0; j < G * D; ++j) qf[j] = load(qrow, j) * scale;
       const T* kbase = kc + g0 * S * D;
       const T* vbase = vc + g0 * S * D;
+#ifdef FLEET_AMX
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (amx) {
+          if (D == 64) amx_scores<4>(qrow, G, kbase, vbase, table, n, bs, scale, scores.data());
+          else amx_scores<8>(qrow, G, kbase, vbase, table, n, bs, scale, scores.data());
+          softmax_rows(scores.data(), n, G);
+          if (D == 64) weighted_values<T, 4>(scores.data(), n, G, vbase, table, bs, acc.data());
+          else weighted_values<T, 8>(scores.data(), n, G, vbase, table, bs, acc.data());
+          T* o = op + b * H * D + g0 * G * D;
+          for (int64_t j = 0; j < G * D; ++j) store(o, j, acc[j]);
+          continue;
+        }
+      }
+#endif
+      for (int64_t j = 0; j < G * D; ++j) qf[j] = load(qrow, j) * scale;
 #if defined(__AVX512F__)
       if (D == 64)
         attend_avx512<T, 4>(qf.data(), kbase, vbase, table, n, bs, G, scores.data(), acc.data());
@@ -340,6 +441,9 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       T* o = op + b * H * D + g0 * G * D;
       for (int64_t j = 0; j < G * D; ++j) store(o, j, acc[j]);
     }
+#ifdef FLEET_AMX
+    if (amx) _tile_release();
+#endif
   });
 }
 
@@ -440,6 +544,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 namespace fleet_kernels {   // cpu_gemm.cpp
 torch::Tensor pack_linear_weight(torch::Tensor w);
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n);
+bool amx_tiles();
 }  // namespace fleet_kernels
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -450,5 +555,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one-token-per-row attention over the pool's blocks in place");
   m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (NaN first), as torch's max(dim=-1)");
   m.def("pack_linear_weight", &fleet_kernels::pack_linear_weight, "[N, K] bf16 weight -> linear_packed's layout");
+  m.def("amx_tiles", &fleet_kernels::amx_tiles, "whether linear_packed and decode attention use AMX tiles here");
   m.def("linear_packed", &fleet_kernels::linear_packed, "x [M, K] bf16 times a packed weight's transpose -> [M, n]");
 }

@@ -85,4 +85,36 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX tiles (Xeons from Sapphire Rapids on): cpu_gemm.cpp's bf16 linear and decode attention's scores.
+#define FLEET_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+struct TileConfig {   // the ldtilecfg memory layout (palette 1)
+  uint8_t palette_id, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands out the 8 KB tile state only to processes that ask (arch_prctl ARCH_REQ_XCOMP_PERM); false where
+// it says no (then the callers keep their AVX-512 paths).
+inline bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// Every tile 16 rows x 64 bytes (C tiles 0-3, A tiles 4-5, B tiles 6-7). The configuration is per thread and
+// oneDNN sets its own, so each parallel region that uses tiles configures them first and releases them after.
+inline void amx_configure() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+#endif
+
 }  // namespace fleet_kernels
