@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import threading
 import time
 import urllib.request
@@ -146,6 +147,32 @@ def test_cancel_frees_blocks_and_metrics(triton):
                  "fleet_engine_prefix_cache_hit_rate", "fleet_engine_tokens_per_s", "fleet_engine_ttft_seconds_count",
                  "fleet_engine_inter_token_latency_seconds_count"):
         assert name in m, name
+
+
+def test_token_metrics_are_published_as_prometheus_histograms(triton):
+    """The per-token numbers are kept in the replica and published on its tick (no server call per token):
+    cumulative `_bucket{le}` series ending in +Inf == `_count`, and the tokens counter covers what was streamed."""
+    before = _metrics(triton["metrics"]).get("fleet_engine_generated_tokens_total", 0.0)
+    responses = _stream(triton["grpc"], "engine", _inputs(list(range(600, 640)), 24))
+    streamed = sum(r.as_numpy("output_ids").size for r in responses)
+
+    def histogram(name: str) -> tuple[dict[str, float], float]:
+        text = urllib.request.urlopen(triton["metrics"], timeout=5).read().decode()
+        buckets = {re.search(r'le="([^"]+)"', line).group(1): float(line.rsplit(" ", 1)[1])
+                   for line in text.splitlines() if line.startswith(f"{name}_bucket{{")}
+        counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"{name}_count{{")]
+        return buckets, counts[0] if counts else 0.0
+
+    def published() -> bool:
+        m = _metrics(triton["metrics"])
+        return m.get("fleet_engine_generated_tokens_total", 0.0) - before >= streamed
+    wait_until(published, 10, "the generated-token counter to cover the streamed tokens")
+    for name in ("fleet_engine_inter_token_latency_seconds", "fleet_engine_ttft_seconds"):
+        buckets, count = histogram(name)
+        values = [buckets[le] for le in sorted(buckets, key=float)]     # the server lists series in any order
+        assert "+Inf" in buckets and values == sorted(values), buckets
+        assert values[-1] == count > 0, (name, buckets, count)
+    assert histogram("fleet_engine_inter_token_latency_seconds")[1] >= streamed - 1
 
 
 def test_state_reports_reach_the_router(triton):

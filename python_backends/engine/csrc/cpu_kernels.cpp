@@ -547,14 +547,18 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n);
 bool amx_tiles();
 }  // namespace fleet_kernels
 
+// Every kernel lets go of the GIL while it runs, as torch's own ops do: the replica's courier thread builds and
+// sends the step's responses in Python meanwhile (held, it made the stepping thread wait for the GIL between
+// kernels: py-spy --gil on a served burst showed the GIL held in linear_packed most of the step).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "w * rms(x)");
-  m.def("add_rms_norm", &add_rms_norm, "x += y in place, then w * rms(x)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of [rows, 2*inter]");
-  m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k in place; k and v written into the pool");
-  m.def("decode_attention", &decode_attention, "one-token-per-row attention over the pool's blocks in place");
-  m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (NaN first), as torch's max(dim=-1)");
-  m.def("pack_linear_weight", &fleet_kernels::pack_linear_weight, "[N, K] bf16 weight -> linear_packed's layout");
-  m.def("amx_tiles", &fleet_kernels::amx_tiles, "whether linear_packed and decode attention use AMX tiles here");
-  m.def("linear_packed", &fleet_kernels::linear_packed, "x [M, K] bf16 times a packed weight's transpose -> [M, n]");
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, "w * rms(x)", nogil);
+  m.def("add_rms_norm", &add_rms_norm, "x += y in place, then w * rms(x)", nogil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [rows, 2*inter]", nogil);
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on q and k in place; k and v written into the pool", nogil);
+  m.def("decode_attention", &decode_attention, "one-token-per-row attention over the pool's blocks in place", nogil);
+  m.def("argmax_rows", &argmax_rows, "index of each row's first maximum (NaN first), as torch's max(dim=-1)", nogil);
+  m.def("pack_linear_weight", &fleet_kernels::pack_linear_weight, "[N, K] bf16 weight -> linear_packed's layout", nogil);
+  m.def("amx_tiles", &fleet_kernels::amx_tiles, "whether linear_packed and decode attention use AMX tiles here", nogil);
+  m.def("linear_packed", &fleet_kernels::linear_packed, "x [M, K] bf16 times a packed weight's transpose -> [M, n]", nogil);
 }
