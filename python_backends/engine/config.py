@@ -43,6 +43,7 @@ class EngineConfig:
                                         # work overlaps the device); off by default: see docs/engine.md
     stream_interval: int = 4            # tokens per streamed response while a step has >= min_rows rows
     stream_interval_min_rows: int = 8   # (interactive tier and first tokens excepted), see stream_coalescer
+    stream_interval_max: int = 16       # the interval grows with the step's rows up to this (0: fixed)
     default_max_tokens: int = 64
     state_report_interval_s: float = 0.2
     state_full_snapshot_s: float = 10.0

@@ -146,7 +146,8 @@ class EngineLoop:
         try:
             self.engine = self._build()
             config = self.engine.config
-            self._coalescer = StreamCoalescer(config.stream_interval, config.stream_interval_min_rows)
+            self._coalescer = StreamCoalescer(config.stream_interval, config.stream_interval_min_rows,
+                                              config.stream_interval_max)
         except BaseException as exc:
             self.error, self.engine = exc, None
             return

@@ -62,6 +62,17 @@ def test_held_tokens_are_flushed_when_the_load_drops_or_the_sequence_sits_a_step
         [(seqs[0].seq_id, (1, 2)), (seqs[1].seq_id, (1, 2)), (seqs[2].seq_id, (1,)), (seqs[3].seq_id, (1,))])
 
 
+def test_the_chunk_grows_with_the_rows_up_to_the_maximum():
+    co = StreamCoalescer(interval=4, min_rows=8, max_interval=16)
+    assert [co.chunk(r) for r in (1, 7, 8, 15, 16, 24, 32, 200)] == [1, 1, 4, 4, 8, 12, 16, 16]
+    assert StreamCoalescer(interval=4, min_rows=8).chunk(200) == 4, "no maximum: a fixed interval"
+    seqs = _seqs(32)
+    co.release(_step(seqs, 0))
+    for t in range(1, 16):
+        assert co.release(_step(seqs, t)) == [], f"32 rows hold up to 16 tokens (step {t})"
+    assert [o.token_ids for o in co.release(_step(seqs, 16))] == [list(range(1, 17))] * 32
+
+
 def test_interval_one_passes_outputs_through_and_a_bad_interval_is_refused():
     co = StreamCoalescer(interval=1, min_rows=1)
     outs = _step(_seqs(9), 5)
