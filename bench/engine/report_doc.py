@@ -99,7 +99,7 @@ def cpu_section(report: dict, command: str) -> str:
              "tokens, half with one shared 300-token system prompt, outputs of 16-256 tokens. Throughput = output "
              "tokens / makespan; TTFT from arrival (client-side queueing included); TPOT = a request's time per "
              "output token after its first; ITL = gaps between streamed tokens (0 inside a response of several "
-             "tokens: our engine's `stream_interval`); peak RSS of each system's processes (the replica's for `engine`; not sampled for `platform`). "
+             "tokens: our engine's `stream_interval`, which grows with a step's rows); peak RSS of each system's processes (the replica's for `engine`; not sampled for `platform`). "
              "Our client keeps all of a level's gRPC streams on one channel and one event loop, as a calling service "
              "would; each system is measured once the host is quiet (< 15 % CPU busy over 1 s, the reading in the "
              "table).")

@@ -155,8 +155,9 @@ def choose_bf16_gemm(setting: str, kernels: object, sample: torch.Tensor | None,
     weights widened in registers) or "onednn" (PackedLinear's oneDNN packing). `auto` times both once on `sample`
     (one of the model's weights) for 1 row and for `rows` rows and keeps the one faster in sum: which wins depends
     on the CPU. On a 2-vCPU Xeon with AVX512-BF16 and no AMX, 30 layers + lm_head of SmolLM2-135M, 2 threads:
-    1 row 13.0 vs 21.5 ms, 32 rows 48.3 vs 73.9 ms (the kernel); where AMX tiles serve oneDNN it multiplies
-    32 rows in ~20 ms and is kept. Without the kernels (or an error timing them) the answer is onednn; with no
+    1 row 13.0 vs 21.5 ms, 32 rows 48.3 vs 73.9 ms (the kernel). Where the CPU has AMX the kernel runs 7 rows
+    and more on tiles too (2-vCPU AMX Xeon: 1 row 8.2 vs 13.0 ms, 32 rows 10-11 vs 15-28 ms) and is kept.
+    Without the kernels (or an error timing them) the answer is onednn; with no
     sample (a model whose GEMMs are not bf16) the setting is only checked."""
     if setting not in BF16_GEMMS:
         raise ValueError(f"cpu_bf16_gemm {setting!r}: allowed are {', '.join(BF16_GEMMS)}")

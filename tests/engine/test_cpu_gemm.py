@@ -74,6 +74,17 @@ def test_nan_and_inf_stay_in_their_rows(rows, in_features):
     assert y[2:].isfinite().all()
 
 
+def test_an_odd_k_never_reads_the_next_rows_values():
+    """K = 31 packs to 16 k pairs (one AMX tile's worth): the kernel must still not read x past each row's 31
+    values, or a NaN at the start of row 3 would reach row 2."""
+    w = torch.randn(40, 31).to(torch.bfloat16)
+    x = torch.randn(20, 31).to(torch.bfloat16)
+    x[3, 0] = float("nan")
+    y = K.linear_packed(x, K.pack_linear_weight(w), 40)
+    assert y[3].isnan().all() and y[torch.arange(20) != 3].isfinite().all()
+    _within_one_ulp(y[4:], x[4:], w)
+
+
 def test_mismatched_inputs_are_refused():
     w = torch.randn(40, 32).to(torch.bfloat16)
     packed = K.pack_linear_weight(w)

@@ -4,7 +4,8 @@
 // for large M and, on CPUs without AMX, runs on vdpbf16ps, which some cores issue at half the rate of an fp32
 // FMA (a 2-vCPU Xeon here: 1.2 G/s against 3.8 G/s). This kernel widens the bf16 weights to fp32 in registers
 // (a shift and a mask: bf16 is fp32's upper half) and multiplies with fp32 FMAs, reading each weight once per
-// six rows. Products and sums are fp32 (as oneDNN's); the output is rounded to bf16 as torch rounds. The model
+// six rows. Where the CPU has AMX, steps of more rows run on tiles instead (below), reading each weight once per
+// 32 rows. Products and sums are fp32 (as oneDNN's); the output is rounded to bf16 as torch rounds. The model
 // runner times it against oneDNN at start and keeps the faster (python_backends/engine/device.py).
 //
 // Weights are packed once: per block of 16 output columns, the K values of those columns in pairs,
@@ -207,7 +208,7 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t n) {
   auto y = torch::empty({M, n}, x.options());
   if (M == 0) return y;
 #ifdef FLEET_AMX
-  if (M >= AMX_MIN_ROWS && kp % 16 == 0 && amx_permitted()) {
+  if (M >= AMX_MIN_ROWS && K % 32 == 0 && amx_permitted()) {   // whole 32-k tiles of x (an odd K has none)
     // A tiles read 16 rows at a time: rows past M must exist (zeros), so a ragged x is copied once
     auto xa = (M % 16 == 0 && x.is_contiguous()) ? x : torch::zeros({(M + 15) / 16 * 16, K}, x.options());
     if (!xa.is_same(x)) xa.narrow(0, 0, M).copy_(x);
