@@ -24,7 +24,8 @@ class StreamCoalescer:
         if interval < 1:
             raise ValueError(f"stream_interval must be >= 1 token (got {interval})")
         self.interval, self.min_rows = interval, max(1, min_rows)
-        self.max_interval = max(interval, max_interval)      # 0 (or less than interval): a fixed interval
+        # 0 (or less than interval): a fixed interval; interval 1 asks for every token in its own response
+        self.max_interval = 1 if interval == 1 else max(interval, max_interval)
         self._held: dict[int, StepOutput] = {}   # seq_id -> tokens released by the engine, not yet sent
 
     def chunk(self, rows: int) -> int:

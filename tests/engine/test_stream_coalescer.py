@@ -77,6 +77,9 @@ def test_interval_one_passes_outputs_through_and_a_bad_interval_is_refused():
     co = StreamCoalescer(interval=1, min_rows=1)
     outs = _step(_seqs(9), 5)
     assert co.release(outs) is outs
+    co = StreamCoalescer(interval=1, min_rows=8, max_interval=16)     # 1 means one token per response, at any load
+    outs = _step(_seqs(40), 5)
+    assert co.chunk(40) == 1 and co.release(outs) is outs
     with pytest.raises(ValueError, match="stream_interval must be >= 1"):
         StreamCoalescer(interval=0)
 
