@@ -1,6 +1,6 @@
 """Fused CPU kernels of the engine's step (csrc/cpu_kernels.cpp): RMSNorm, residual add + RMSNorm, SiLU * up,
-RoPE with the new K/V written into the pool, decode attention reading K/V from the pool's blocks in place, the
-greedy argmax of the logits, and (csrc/cpu_gemm.cpp) a bf16 linear layer for decode-sized steps.
+RoPE with the new K/V written into the pool, the greedy argmax of the logits; decode attention reading K/V from
+the pool's blocks in place (csrc/decode_attention.cpp); and a bf16 linear layer (csrc/cpu_gemm.cpp).
 
 A 32-row step of SmolLM2-135M is ~1,400 small torch ops on a 2-core CPU, and their dispatch and OpenMP
 barriers cost as much as the arithmetic; these kernels do the same work in 5 ops per layer besides the GEMMs,
@@ -31,7 +31,7 @@ from python_backends.engine.device import cpu_flags
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "cpu_kernels.cpp", CSRC / "cpu_gemm.cpp"]   # the module (cpu_kernels.cpp) first
+SOURCES = [CSRC / "cpu_kernels.cpp", CSRC / "decode_attention.cpp", CSRC / "cpu_gemm.cpp"]   # the module first
 HEADERS = [CSRC / "simd.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]       # libgomp.so.1: the loader reuses the copy torch already loaded (same soname)

@@ -1,5 +1,6 @@
-// Scalar and AVX-512 helpers shared by the engine's CPU kernels (cpu_kernels.cpp, cpu_gemm.cpp): fp32/bf16 loads
-// and stores with torch's rounding (bf16: round to nearest even, NaN kept a NaN), and a vectorizable exp.
+// Helpers shared by the engine's CPU kernels (cpu_kernels.cpp, decode_attention.cpp, cpu_gemm.cpp): the dtype
+// dispatch and row checks, fp32/bf16 loads and stores with torch's rounding (bf16: round to nearest even, NaN
+// kept a NaN), a vectorizable exp, and AMX tile set-up where the CPU has tiles.
 #pragma once
 #include <torch/extension.h>
 
@@ -15,6 +16,15 @@
 namespace fleet_kernels {
 
 using bf16 = c10::BFloat16;
+
+// fp32 and bf16: the engine's compute dtypes on the CPU
+#define FLOAT_OR_BF16(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+inline void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const bf16* p, int64_t i) {
