@@ -8,7 +8,8 @@ tokens/s rises and the stream arrives in small chunks. The chunk grows with the 
 step's rows (`interval * (rows // min_rows)`, at most `max_interval`), so a step sends about the same few
 responses whatever the number of streams: with the defaults (4, 8 rows, 16) a step of 8-15 rows sends 4-token
 chunks, 16-23 rows 8, 24-31 rows 12, 32 or more 16. Measured through the whole platform on a 2-core Xeon,
-32-stream burst: ~940 tok/s with 4-token chunks, ~1,100 with 16 (docs/engine.md). Never held:
+32-stream burst, three bursts each: 877-950 tok/s with fixed 4-token chunks, 982-1,041 growing (docs/engine.md,
+One step 6). Never held:
 a stream's first tokens (TTFT is not delayed), its final output, the interactive tier (smooth streaming is
 what it pays for), and anything once the load falls below `min_rows` or the sequence sits out a step - a
 held token waits at most one step.
