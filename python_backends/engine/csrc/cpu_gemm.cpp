@@ -23,6 +23,15 @@ constexpr int64_t NB = 4;      // column blocks per micro-kernel call
 constexpr int64_t MR = 6;      // rows per micro-kernel call: 6 x 4 accumulators + the widened weights fit 32 zmm
 
 #if defined(__AVX512F__)
+// 16 fp32 sums rounded to bf16 into y[0:min(16, left)) (a block's padding columns are not stored).
+inline void store_cols(bf16* y, __m512 sums, int64_t left) {
+  const __m256i out = _mm512_cvtepi32_epi16(bf16_bits(sums));
+  if (left >= COLS)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), out);
+  else if (left > 0)
+    _mm256_mask_storeu_epi16(y, __mmask16((1u << left) - 1), out);
+}
+
 // y[0:R, 0:B*16) of one column group over all k pairs; x is fp32 [R, 2*kp] (zero padded to an even K).
 template <int R, int B>
 inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kp, bf16* y, int64_t ldy,
@@ -46,14 +55,7 @@ inline void micro(const float* x, int64_t ldx, const uint16_t* w, int64_t kp, bf
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) {
-      const __m256i out = _mm512_cvtepi32_epi16(bf16_bits(acc[r][b]));
-      const int64_t left = cols_left - b * COLS;
-      if (left >= COLS)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + b * COLS), out);
-      else if (left > 0)
-        _mm256_mask_storeu_epi16(y + r * ldy + b * COLS, __mmask16((1u << left) - 1), out);
-    }
+    for (int b = 0; b < B; ++b) store_cols(y + r * ldy + b * COLS, acc[r][b], cols_left - b * COLS);
 }
 
 template <int B>
@@ -132,13 +134,8 @@ void amx_linear(const bf16* x, int64_t ldx, int64_t rows, const uint16_t* w, int
         else if (two_blocks) amx_block<1, 2>(xm, ldx, w + b * block, kp, c);
         else amx_block<1, 1>(xm, ldx, w + b * block, kp, c);
         for (int64_t r = 0; r < std::min<int64_t>(32, rows - m); ++r)
-          for (int64_t t = 0; t < (two_blocks ? 2 : 1); ++t) {
-            const int64_t left = n - col - t * COLS;
-            const __m256i out = _mm512_cvtepi32_epi16(bf16_bits(_mm512_load_ps(c + r * 32 + t * COLS)));
-            bf16* dst = y + (m + r) * n + col + t * COLS;
-            if (left >= COLS) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), out);
-            else if (left > 0) _mm256_mask_storeu_epi16(dst, __mmask16((1u << left) - 1), out);
-          }
+          for (int64_t t = 0; t < (two_blocks ? 2 : 1); ++t)
+            store_cols(y + (m + r) * n + col + t * COLS, _mm512_load_ps(c + r * 32 + t * COLS), n - col - t * COLS);
       }
     }
     _tile_release();

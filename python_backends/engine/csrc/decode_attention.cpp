@@ -49,9 +49,6 @@ inline void softmax_rows(float* scores, int64_t n, int64_t G) {
   }
 }
 
-// q [B, H*D] (rows may be strided: a view of qkv), k_cache / v_cache [KV, S, D] (one layer), block_tables
-// [B, W] int64, lens [B] int64 (keys per row, the new token's included) -> [B, H*D]. One task per (row,
-// KV head): its H/KV query heads (GQA) read each key and value once, straight from the row's blocks.
 #if defined(__AVX512F__)
 // Prefetch row `r` of block table[i] (i < 0: nothing), all of its cache lines.
 template <typename T>
@@ -164,6 +161,17 @@ void attend_avx512(const float* qf, const T* kbase, const T* vbase, const int64_
   softmax_rows(scores, n, G);
   weighted_values<T, C>(scores, n, G, vbase, table, bs, acc);
 }
+
+#ifdef FLEET_AMX
+// The same task in bf16 with the scores from AMX tiles (q as stored, unscaled: the scale is applied to the sums).
+template <int C>
+void attend_amx(const bf16* q, const bf16* kbase, const bf16* vbase, const int64_t* table, int64_t n, int64_t bs,
+                int64_t G, float scale, float* scores, float* acc) {
+  amx_scores<C>(q, G, kbase, vbase, table, n, bs, scale, scores);
+  softmax_rows(scores, n, G);
+  weighted_values<bf16, C>(scores, n, G, vbase, table, bs, acc);
+}
+#endif
 #endif
 
 // Portable version of the same task (any head_dim; what GCC vectorises itself).
@@ -197,6 +205,9 @@ void attend_generic(const float* qf, const T* kbase, const T* vbase, const int64
   }
 }
 
+// q [B, H*D] (rows may be strided: a view of qkv), k_cache / v_cache [KV, S, D] (one layer), block_tables
+// [B, W] int64, lens [B] int64 (keys per row, the new token's included) -> [B, H*D]. One task per (row,
+// KV head): its H/KV query heads (GQA) read each key and value once, straight from the row's blocks.
 template <typename T>
 void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const int64_t* tables, int64_t W, const int64_t* lens, int64_t bs, float scale,
@@ -224,29 +235,27 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       const T* qrow = qp + b * qs + g0 * G * D;
       const T* kbase = kc + g0 * S * D;
       const T* vbase = vc + g0 * S * D;
+      bool attended = false;
 #ifdef FLEET_AMX
       if constexpr (std::is_same_v<T, bf16>) {
         if (amx) {
-          if (D == 64) amx_scores<4>(qrow, G, kbase, vbase, table, n, bs, scale, scores.data());
-          else amx_scores<8>(qrow, G, kbase, vbase, table, n, bs, scale, scores.data());
-          softmax_rows(scores.data(), n, G);
-          if (D == 64) weighted_values<T, 4>(scores.data(), n, G, vbase, table, bs, acc.data());
-          else weighted_values<T, 8>(scores.data(), n, G, vbase, table, bs, acc.data());
-          T* o = op + b * H * D + g0 * G * D;
-          for (int64_t j = 0; j < G * D; ++j) store(o, j, acc[j]);
-          continue;
+          if (D == 64) attend_amx<4>(qrow, kbase, vbase, table, n, bs, G, scale, scores.data(), acc.data());
+          else attend_amx<8>(qrow, kbase, vbase, table, n, bs, G, scale, scores.data(), acc.data());
+          attended = true;
         }
       }
 #endif
-      for (int64_t j = 0; j < G * D; ++j) qf[j] = load(qrow, j) * scale;
+      if (!attended) {
+        for (int64_t j = 0; j < G * D; ++j) qf[j] = load(qrow, j) * scale;
 #if defined(__AVX512F__)
-      if (D == 64)
-        attend_avx512<T, 4>(qf.data(), kbase, vbase, table, n, bs, G, scores.data(), acc.data());
-      else if (D == 128)
-        attend_avx512<T, 8>(qf.data(), kbase, vbase, table, n, bs, G, scores.data(), acc.data());
-      else
+        if (D == 64)
+          attend_avx512<T, 4>(qf.data(), kbase, vbase, table, n, bs, G, scores.data(), acc.data());
+        else if (D == 128)
+          attend_avx512<T, 8>(qf.data(), kbase, vbase, table, n, bs, G, scores.data(), acc.data());
+        else
 #endif
-        attend_generic<T>(qf.data(), kbase, vbase, table, n, bs, G, D, scores.data(), acc.data(), row.data());
+          attend_generic<T>(qf.data(), kbase, vbase, table, n, bs, G, D, scores.data(), acc.data(), row.data());
+      }
       T* o = op + b * H * D + g0 * G * D;
       for (int64_t j = 0; j < G * D; ++j) store(o, j, acc[j]);
     }
