@@ -46,6 +46,13 @@ class Settings(BaseSettings):
     vendor_dir: Path = REPO_ROOT / ".fleet" / "vendor"
     cache_dir: Path = REPO_ROOT / ".fleet" / "cache"
     log_level: str = "INFO"
+    # text: one human line per event (a terminal); json: one JSON object per line with the request's ids
+    # (docs/observability.md "Logs"), what log shippers parse
+    log_format: Literal["text", "json"] = "text"
+    # OpenTelemetry: traces go to this OTLP/gRPC endpoint (host:port or http://host:port); empty = tracing off
+    # (a caller's traceparent is still passed on). Ratio of new traces kept; a sampled caller's trace is kept.
+    otlp_endpoint: str = ""
+    trace_sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
     admin_token: str = ""   # operator token; default: the data dir's admin-token file
     viewer_token: str = ""  # read-only token; default: the data dir's viewer-token file
     autoscaler: bool = True  # FLEET_AUTOSCALER=off: `fleet up` starts no autoscaler

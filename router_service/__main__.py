@@ -7,6 +7,7 @@ import signal
 
 import uvicorn
 
+from common import tracing
 from common.logs import setup_logging
 from common.report_channel import load_report_secret
 from common.settings import Settings, load_from_env, load_settings
@@ -55,7 +56,9 @@ def register_env_admin_tokens(settings: Settings, db_url: str) -> None:
 
 
 async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings) -> None:
-    log = setup_logging("router", settings.log_level)
+    log = setup_logging("router", settings.log_level, settings.log_format)
+    tracing.configure("fleet-router", settings.otlp_endpoint, settings.trace_sample_ratio, **{
+        "fleet.region": settings.region})
     register_env_admin_tokens(settings, args.db_url)
     registry = RegistryCache(args.db_url)
     producer = None if args.no_usage else UsageProducer(args.kafka, settings.spool_dir / "router", settings.usage_topic)
@@ -96,6 +99,7 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
     await router.close()
     if producer is not None:
         producer.close()
+    tracing.shutdown()
 
 
 def main() -> None:

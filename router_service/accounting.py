@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from router_service import metrics
+from router_service import metrics, tracing
 from router_service.request import Finished, Prepared
 from usage.events import UsageEvent
 
@@ -62,6 +62,8 @@ def account(producer, p: Prepared, finish: Finished | None, status: str, complet
     if status == "ok" and reason == "cancelled":
         status = "cancelled"
     now = time.monotonic()
+    tracing.finished(status, reason, len(p.prompt_ids), completion_tokens,
+                     first_token_at - p.arrived if first_token_at is not None else None)
     metrics.REQUESTS.labels(req.model, req.tier, status).inc()
     metrics.TOKENS.labels(req.model, req.tier).inc(completion_tokens)
     metrics.PROMPT_TOKENS.labels(req.model, req.tier).inc(len(p.prompt_ids))

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from router_service import metrics
+from router_service import metrics, tracing
 from router_service.accounting import account, open_ledger_entry
 from router_service.admission import AdmissionQueue
 from router_service.batch_yield import BatchYield
@@ -104,7 +104,9 @@ class Router:
                                       caller.max_concurrent)
         except RouterError as exc:
             metrics.REJECTED.labels(exc.code).inc()
+            tracing.refused(exc.code)
             raise
+        tracing.annotate(p)
         p.handle = self.requests.register(req.request_id, caller.name)
         try:
             p.placement = await self.admit(p, set(), p.prompt_ids, req.max_tokens)
@@ -113,6 +115,7 @@ class Router:
             self.quotas.settle(req.request_id, 0)
             if isinstance(exc, RouterError):
                 metrics.REJECTED.labels(exc.code).inc()
+                tracing.refused(exc.code)
             raise
         return p
 
@@ -182,8 +185,11 @@ class Router:
 
         if req.tier == "interactive":
             self.batch_yield.interactive_arrived(key)
-        return await self.queue_for(p.model).admit(req.tier, req.deadline_ms, try_place, self._release_slot,
-                                                   req.request_id, cancelled)
+        with tracing.admission_span(req.tier) as span:
+            placement = await self.queue_for(p.model).admit(req.tier, req.deadline_ms, try_place, self._release_slot,
+                                                            req.request_id, cancelled)
+            tracing.placed(span, placement)
+        return placement
 
     def _release_slot(self, placement: Placement, model: ModelInfo | None = None, held_s: float | None = None) -> None:
         self.chooser.release(placement)
@@ -254,7 +260,8 @@ class Router:
                                                 emitted, replica_id, cached_tokens)
                         break
                 replica_id = placement.replica.replica_id
-                attempt_started, prefill_pending = time.monotonic(), True
+                attempt_started, prefill_pending, attempt_error = time.monotonic(), True, None
+                attempt_span, req.trace_context = tracing.start_attempt(replica_id, failures + 1, len(emitted))
                 if first_token_at is None and not failures:
                     metrics.DISPATCH.labels(req.model, req.tier).observe(attempt_started - p.arrived)
                 if req.tier == "batch" and p.handle is not None:
@@ -298,6 +305,7 @@ class Router:
                     log.info("batch request %s preempted on %s after %d tokens; re-queued", req.request_id,
                              replica_id, len(emitted))
                 except ReplicaFailed as exc:
+                    attempt_error = exc
                     failures += 1
                     failed.add(replica_id)
                     log.warning("replica %s failed during %s after %d tokens (attempt %d): %s", replica_id,
@@ -326,6 +334,7 @@ class Router:
                         log.info("resuming %s on another replica from prompt + %d emitted tokens", req.request_id,
                                  len(emitted))
                 finally:
+                    tracing.end_attempt(attempt_span, len(emitted), attempt_error)
                     if req.tier == "batch" and p.handle is not None:
                         self.batch_yield.batch_ended(key, p.handle)
                     self._release_slot(placement, p.model, time.monotonic() - attempt_started)

@@ -20,6 +20,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from router_service.core import Router
 from router_service.errors import RouterError
+from router_service import tracing
 from router_service.kserve_codec import decode_request, encode_stream_response, merge_responses
 from router_service.visibility import visible_models
 
@@ -102,14 +103,16 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         prepared = None
-        try:
-            prepared = await self._run(request, _api_key(context))
-            items = [item async for item in self.router.stream(prepared)]
-        except RouterError as exc:
-            await _abort(context, exc)
-        finally:
-            if prepared is not None:
-                self.router.release_unstarted(prepared)
+        with tracing.grpc_request("ModelInfer", context.invocation_metadata(), request.id):
+            try:
+                prepared = await self._run(request, _api_key(context))
+                items = [item async for item in self.router.stream(prepared)]
+            except RouterError as exc:
+                tracing.refused(exc.code)
+                await _abort(context, exc)
+            finally:
+                if prepared is not None:
+                    self.router.release_unstarted(prepared)
         return merge_responses(prepared.req, prepared.model.version, items)
 
     async def ModelStreamInfer(self, request_iterator, context):
@@ -131,6 +134,10 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                                   f"with {limits.queue_items} waiting: request stopped") from None
 
         async def run_one(request: pb.ModelInferRequest) -> None:
+            with tracing.grpc_request("ModelStreamInfer", context.invocation_metadata(), request.id):
+                await serve_one(request)
+
+        async def serve_one(request: pb.ModelInferRequest) -> None:
             prepared = None
             try:
                 prepared = await self._run(request, api_key)
@@ -138,6 +145,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     async for item in items:
                         await put(encode_stream_response(prepared.req, prepared.model.version, item))
             except RouterError as exc:  # the key belongs to the stream: a bad one ends the whole stream
+                tracing.refused(exc.code)
                 await queue.put(exc if exc.code == "unauthenticated" else _stream_error(request, exc))
             except Exception as exc:
                 log.exception("stream request failed")

@@ -17,6 +17,7 @@ from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from common.names import CLIENT_ID_RE, CLIENT_ID_RULE
 from router_service.admin_api import admin_router
 from router_service.core import Router
 from router_service.errors import RouterError
@@ -24,6 +25,7 @@ from router_service.http_body import read_body
 from router_service.metrics import refresh_replica_gauges
 from router_service.openai_schema import ChatBody, CompletionBody
 from router_service.request import TIERS, Finished, Prepared, TokenDelta
+from router_service.tracing import FASTAPI_TELEMETRY, TracingMiddleware
 from router_service.visibility import visible_models
 
 
@@ -41,7 +43,8 @@ def _bearer(request: Request) -> str | None:
 
 
 def create_app(router: Router) -> FastAPI:
-    app = FastAPI(title="LLM fleet router", version="0.1.0")
+    app = FastAPI(title="LLM fleet router", version="0.1.0", telemetry=FASTAPI_TELEMETRY)
+    app.add_middleware(TracingMiddleware)  # spans, caller trace context, access log (router_service.tracing)
 
     @app.exception_handler(RouterError)
     async def _router_error(_req: Request, exc: RouterError):
@@ -75,10 +78,13 @@ def create_app(router: Router) -> FastAPI:
     async def run(request: Request, schema: type[CompletionBody] | type[ChatBody], chat: bool):
         caller = router.authenticate(_bearer(request))
         body = await _parse(request, schema)
-        prepared = await router.prepare(caller, body.request())
+        req = body.request()
+        req.client_id = _client_request_id(request)
+        prepared = await router.prepare(caller, req)
+        # a caller's x-request-id is its correlation id and comes back as sent; ours is x-fleet-request-id
+        ids = {"x-request-id": req.client_id or req.request_id, "x-fleet-request-id": req.request_id}
         if body.stream:  # the background task frees the slot if the caller left before streaming began
-            return StreamingResponse(_sse(router, prepared, chat), media_type="text/event-stream",
-                                     headers={"x-request-id": prepared.req.request_id},
+            return StreamingResponse(_sse(router, prepared, chat), media_type="text/event-stream", headers=ids,
                                      background=BackgroundTask(router.release_unstarted, prepared))
         try:
             items = await _collect_unless_disconnected(request, router.stream(prepared))
@@ -90,9 +96,10 @@ def create_app(router: Router) -> FastAPI:
         final = next(i for i in items if isinstance(i, Finished))
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": final.finish_reason}
                   if chat else {"index": 0, "text": text, "finish_reason": final.finish_reason, "logprobs": None})
-        return {"id": prepared.req.request_id, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": prepared.model.name, "system_fingerprint": prepared.model.version,
-                "choices": [choice], "usage": _usage(final)}
+        return JSONResponse({"id": prepared.req.request_id, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": prepared.model.name,
+                             "system_fingerprint": prepared.model.version, "choices": [choice],
+                             "usage": _usage(final)}, headers=ids)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -111,6 +118,14 @@ def create_app(router: Router) -> FastAPI:
 
     app.include_router(admin_router(router))
     return app
+
+
+def _client_request_id(request: Request) -> str:
+    value = request.headers.get("x-request-id", "")
+    if value and not CLIENT_ID_RE.match(value):
+        raise RouterError("invalid_argument", f"header x-request-id: {value[:64]!r} is not allowed; use "
+                                              f"{CLIENT_ID_RULE}")
+    return value
 
 
 def _describe(errors) -> str:

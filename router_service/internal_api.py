@@ -21,6 +21,7 @@ from router_service import metrics
 from router_service.core import Router
 from router_service.errors import RouterError
 from router_service.http_body import read_body
+from router_service.tracing import FASTAPI_TELEMETRY
 from common.replica_report import ReplicaReport
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ def _describe(exc: ValidationError) -> str:
 
 def create_internal_app(router: Router, secret: bytes) -> FastAPI:
     app = FastAPI(title="LLM fleet router (internal)", version="0.1.0", docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, telemetry=FASTAPI_TELEMETRY)  # state reports are not traced
 
     @app.exception_handler(RouterError)
     async def _router_error(_req: Request, exc: RouterError):

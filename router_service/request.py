@@ -42,6 +42,7 @@ class GenerateRequest:
     ignore_eos: bool = False  # keep generating past end-of-sequence up to max_tokens (load tests, benchmarks)
     session: str = ""  # rollout stickiness key; the caller name when empty
     client_id: str = ""  # the caller's own request id, echoed back for correlation only (common.names.CLIENT_ID_RE)
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C fields of the current upstream attempt
 
     def validate(self, max_context: int) -> None:
         """Field checks that need no registry; the message names the field, the reason and what is allowed."""

@@ -140,6 +140,7 @@ class ReplicaClient:
             params["ignore_eos"] = True
         if seed_offset:  # a resumed seeded stream: the engine continues the random stream at this step
             params["seed_offset"] = seed_offset
+        params.update(req.trace_context)  # traceparent of this attempt's span (router_service.tracing)
         request = _get_inference_request(
             model_name=ENGINE if direct else ENSEMBLE, inputs=build_inputs(req, prompt_ids, max_tokens),
             model_version="", request_id=req.request_id,

@@ -2,6 +2,7 @@
 real PostgreSQL databases. Every fixture starts real parts; none of them fake a service."""
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -9,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from common.processes import free_port, stop_pid
+from common.processes import StartupFailed, free_port, pid_alive, stop_pid, wait_until
 from common.settings import Settings, load_settings
 from common.services import start_tansu
+from tests.integration.platform import Platform, platform_env
+from tests.observability.otlp_receiver import OtlpReceiver
 
 # The suite runs many replicas, routers and clients on a few cores at once: replicas never spin-wait
 # (common.vendor.replica_cores; tests/autoscale/test_replica_cores.py covers `auto`).
@@ -76,3 +79,51 @@ def postgres_url() -> Iterator[str]:
 def db_url(request: pytest.FixtureRequest) -> str:
     """Run a registry test on SQLite and on PostgreSQL."""
     return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver() -> Iterator[OtlpReceiver]:
+    """A real OTLP/gRPC trace receiver the session's platform exports its spans to."""
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def platform(tmp_path_factory, otlp_receiver):
+    """One `fleet up` per test session (it costs ~40 s), and `fleet down` at the end, which must leave no
+    process behind. Traces go to the session's OTLP receiver and logs are JSON (tests/observability)."""
+    data_dir = tmp_path_factory.mktemp("platform")
+    env = {**platform_env(data_dir), "FLEET_OTLP_ENDPOINT": otlp_receiver.endpoint, "FLEET_LOG_FORMAT": "json"}
+    p = Platform(env, data_dir)
+    up = p.fleet("up")
+    assert up.returncode == 0, f"fleet up failed:\n{up.stdout}\n{up.stderr}"
+    assert "API key" in up.stdout and p.api_key in up.stdout
+    pids = [json.loads(f.read_text())["pid"] for f in (data_dir / "run").glob("*.json")]
+    assert len(pids) >= 5, "expected broker, loader, replica, router and UI processes"
+    p.wait_serving()
+    yield p
+    down = p.fleet("down")
+    assert down.returncode == 0, down.stderr
+    try:  # `fleet down` waits for each leader; a stub may need a moment to be reaped
+        wait_until(lambda: not [pid for pid in pids if pid_alive(pid)] and not _group_members(set(pids)), 15,
+                   "platform processes gone")
+    except StartupFailed:
+        pass
+    assert not [pid for pid in pids if pid_alive(pid)], "fleet down left processes behind"
+    assert not _group_members(set(pids)), "fleet down left child processes (e.g. backend stubs) behind"
+
+
+def _group_members(groups: set[int]) -> list[int]:
+    """Live processes whose process group is one that `fleet up` started."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) in groups:
+            out.append(int(stat.parent.name))
+    return out
+
+

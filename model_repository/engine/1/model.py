@@ -17,10 +17,12 @@ from python_backends.engine.loop import EngineLoop
 from python_backends.engine.metrics import TritonMetrics
 from python_backends.engine.sequence import SamplingParams
 from python_backends.engine.state_report import StateReporter, identity_from_env
+from python_backends.engine.tracing import record_request
+from common import tracing
+from common.logs import setup_logging
+from common.settings import load_settings
 
 log = logging.getLogger("engine")
-# The engine says at start what it chose (KV pool size, CPU kernels, decode attention): into the replica's log
-logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -37,8 +39,9 @@ def _text(value) -> str:
 
 
 class _TritonSink:
-    def __init__(self, sender):
+    def __init__(self, sender, trace_context=None, replica_id=""):
         self.sender = sender
+        self.trace_context, self.replica_id = trace_context, replica_id  # W3C fields from the router, or None
 
     def is_cancelled(self) -> bool:
         return self.sender.is_cancelled()
@@ -54,6 +57,8 @@ class _TritonSink:
         if out.finish_reason == "error":
             log.warning("request rejected: %s", out.seq.error)
         self.sender.send(response, flags=FINAL if out.finished else 0)
+        if out.finished and self.trace_context:
+            record_request(self.trace_context, out.seq, out.finish_reason, self.replica_id)
 
 
 class TritonPythonModel:
@@ -65,6 +70,12 @@ class TritonPythonModel:
             # KIND_GPU: Triton places each instance on a GPU of its own; the engine follows that choice
             self.config.device = f"cuda:{args.get('model_instance_device_id', 0)}"
         identity = identity_from_env()
+        settings = load_settings()
+        # The engine says at start what it chose (KV pool size, CPU kernels, decode attention): the replica's log
+        setup_logging("replica", settings.log_level, settings.log_format)
+        tracing.configure("fleet-replica", settings.otlp_endpoint, settings.trace_sample_ratio,
+                          **{"fleet.replica": identity["replica_id"]})
+        self.replica_id = identity["replica_id"]
         labels = {"replica_id": identity["replica_id"], "model": identity["model"] or "engine"}
         self.metrics = TritonMetrics(pb_utils, labels)
         self.reporter = StateReporter(identity, self.config.state_full_snapshot_s).start()
@@ -111,7 +122,8 @@ class TritonPythonModel:
         # `priority` is reserved by tritonclient (it is Triton's own scheduling field), so the router sends
         # `llm_priority`; accept both names.
         priority = int(rp.get("llm_priority", rp.get("priority", 1)))
-        self.loop.submit(ids.tolist(), params, _TritonSink(sender), priority=priority,
+        trace_context = {k: rp[k] for k in tracing.TRACE_KEYS if isinstance(rp.get(k), str)} or None
+        self.loop.submit(ids.tolist(), params, _TritonSink(sender, trace_context, self.replica_id), priority=priority,
                          deadline_ms=int(rp.get("deadline_ms", 0) or 0), lora_name=lora,
                          request_id=rp.get("request_id") or request.request_id())
 
