@@ -28,7 +28,8 @@ def plan_launch(world_size: int, model_repo: str, http_port: int = 8000, grpc_po
     def rank(i: int) -> list[str]:
         cmd = [tritonserver, f"--model-repository={model_repo}", f"--http-port={http_port}",
                f"--grpc-port={grpc_port}", f"--metrics-port={metrics_port}", "--disable-auto-complete-config",
-               f"--backend-config=python,shm-region-prefix-name=prefix{i}_", f"--exit-timeout-secs={exit_timeout_s}"]
+               f"--backend-config=python,shm-region-prefix-name=prefix{i}_", f"--exit-timeout-secs={exit_timeout_s}",
+               "--metrics-config=histogram_latencies=true"]  # Triton's latency histograms: docs/observability.md
         if i > 0:
             cmd += ["--model-control-mode=explicit", f"--load-model={ENGINE_MODEL}"]
         return cmd

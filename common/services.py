@@ -52,7 +52,9 @@ def start_triton(settings: Settings, repository: Path, base_port: int, log_path:
            f"--backend-directory={home / 'backends'}", f"--http-port={http}", f"--grpc-port={grpc}",
            f"--metrics-port={metrics}", f"--http-address={bind}", f"--grpc-address={bind}",
            f"--metrics-address={bind}", "--allow-sagemaker=false", "--allow-vertex-ai=false",
-           "--exit-timeout-secs=5", "--log-verbose=0", "--strict-readiness=true"]
+           "--exit-timeout-secs=5", "--log-verbose=0", "--strict-readiness=true",
+           # Triton's own latency histograms (nv_inference_first_response_histogram_ms): docs/observability.md
+           "--metrics-config=histogram_latencies=true"]
     proc = spawn(cmd, log_path, env=env)
     log.info("tritonserver on %d: %s CPU cores (replica_cpu_cores=%s)", http, cores, settings.replica_cpu_cores)
     if on_spawn is not None:

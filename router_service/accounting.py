@@ -69,6 +69,11 @@ def account(producer, p: Prepared, finish: Finished | None, status: str, complet
     metrics.PROMPT_TOKENS.labels(req.model, req.tier).inc(len(p.prompt_ids))
     if finish is not None:
         metrics.CACHED_PROMPT_TOKENS.labels(req.model, req.tier).inc(finish.cached_prompt_tokens)
+    labels = (req.model, p.model.version, req.tier)
+    metrics.REQUEST_DURATION.labels(*labels, status).observe(now - p.arrived)
+    metrics.PROMPT_LENGTH.labels(*labels).observe(len(p.prompt_ids))
+    metrics.COMPLETION_LENGTH.labels(*labels).observe(completion_tokens)
+    metrics.FINISHED.labels(*labels, reason).inc()
     if first_token_at is not None and completion_tokens > 1 and now > first_token_at:
         metrics.STREAM_TOKENS_PER_S.labels(req.model, req.tier).observe((completion_tokens - 1) / (now - first_token_at))
     if producer is None:

@@ -1,10 +1,13 @@
-"""Prometheus metrics of the router, served at HTTP /metrics."""
+"""Prometheus metrics of the router, served at HTTP /metrics. Every metric is documented (name, type, labels,
+meaning) in docs/observability.md; alert and recording rules and dashboards (deploy/monitoring) query them."""
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 40, 60, 100, 200, 500)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+LENGTH_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 REQUESTS = Counter("fleet_router_requests_total", "Requests finished, by model, tier and outcome",
                    ["model", "tier", "status"])
@@ -47,6 +50,16 @@ REPLICA_KV = Gauge("fleet_router_replica_kv_utilisation", "Share of a replica's 
 REPLICA_WAITING = Gauge("fleet_router_replica_waiting", "Requests waiting inside a replica's engine, from its "
                         "latest fresh state report", ["replica", "model", "version"])
 
+REQUEST_DURATION = Histogram("fleet_router_request_duration_seconds", "Time from request arrival to the end of its "
+                             "stream (end to end, as the router saw it), by outcome", ["model", "version", "tier",
+                                                                                      "status"],
+                             buckets=DURATION_BUCKETS)
+PROMPT_LENGTH = Histogram("fleet_router_prompt_length_tokens", "Prompt length of each request routed (tokens)",
+                          ["model", "version", "tier"], buckets=LENGTH_BUCKETS)
+COMPLETION_LENGTH = Histogram("fleet_router_completion_length_tokens", "Completion length of each finished "
+                              "request (tokens streamed)", ["model", "version", "tier"], buckets=LENGTH_BUCKETS)
+FINISHED = Counter("fleet_router_finished_total", "Requests finished, by why their stream ended (stop, length, "
+                   "deadline, cancelled, error)", ["model", "version", "tier", "finish_reason"])
 
 def refresh_replica_gauges(router) -> None:
     """Set the per-replica gauges from the fresh state reports (called at each /metrics scrape), dropping

@@ -5,20 +5,25 @@ numbers the state report and tests need (p95s, tokens/s, prefix hit rate). `Trit
 Triton custom metrics (`pb_utils.MetricFamily`) on the server's metrics port; it is only built inside Triton.
 
 Every Triton metric call from the Python backend is a round trip to the server process. Observed per token
-(32 a step at 32 streams) they held the loop thread ~12 % of a served burst's wall time (py-spy, 2-core
-Xeon), so token-rate numbers are kept here and published on the loop's tick (every 0.2 s): the latency
-histograms as `_bucket{le=...}` / `_sum` / `_count` counters (what Prometheus' histogram_quantile reads), at
-most a dozen calls per tick whatever the load.
+(32 a step at 32 streams, a dozen counter calls each) they held the loop thread ~12 % of a served burst's wall
+time (py-spy, 2-core Xeon), so observations are kept here and published on the loop's tick (every 0.2 s).
+The latency histograms are Triton HISTOGRAM families (exported with `# TYPE ... histogram`); a histogram
+observation is one call, so a tick publishes at most `MAX_OBSERVATIONS_PER_FLUSH` of a histogram's
+observations: all of them below that, else a uniform sample of them (reservoir sampling), which keeps the
+quantiles unbiased while `_count` then counts the sample. Token rates come from the token counter, never from
+a histogram's `_count` (docs/observability.md).
 """
 from __future__ import annotations
 
-import bisect
+import random
 import time
 from collections import deque
 from typing import Any
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 ITL_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56]
+QUEUE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+MAX_OBSERVATIONS_PER_FLUSH = 64
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -40,6 +45,8 @@ class EngineStats:
 
     def on_admit(self, wait_s: float) -> None:
         self.queue_wait_s.append(wait_s)
+        if self.sink:
+            self.sink.queue_wait.observe(wait_s)
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft_s.append(ttft_s)
@@ -97,18 +104,28 @@ class TritonMetrics:
         self.running = gauge("fleet_engine_running", "sequences running")
         self.waiting = gauge("fleet_engine_waiting", "sequences waiting for admission")
         self.preemptions = counter("fleet_engine_preemptions_total", "sequences preempted (recompute)")
-        self.hit_rate = gauge("fleet_engine_prefix_cache_hit_rate", "prompt tokens served from the prefix cache")
+        self.hit_rate = gauge("fleet_engine_prefix_cache_hit_rate", "prompt tokens served from the prefix cache, "
+                              "share since start (rate the two counters below for a window)")
+        self.prefix_queries = counter("fleet_engine_prefix_cache_queried_tokens_total",
+                                      "prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("fleet_engine_prefix_cache_hit_tokens_total",
+                                   "prompt tokens served from the prefix cache")
+        self._prefix_seen = [0, 0]
         self.tokens_per_s = gauge("fleet_engine_tokens_per_s", "generated tokens per second (5 s window)")
         self.tokens = BatchedCounter(counter("fleet_engine_generated_tokens_total", "generated tokens"))
         self.adapters = gauge("fleet_engine_adapters_loaded", "LoRA adapters resident")
         self.kv_overhead = gauge("fleet_engine_kv_overhead_max",
                                  "max over time of KV blocks in use * block_size / resident tokens")
         self._kv_overhead_max = 0.0
-        counters = lambda n, d: make_family(n, d, fam.COUNTER)  # noqa: E731
-        self.ttft = BatchedHistogram("fleet_engine_ttft_seconds", "time to first token", TTFT_BUCKETS, counters,
-                                     labels)
-        self.itl = BatchedHistogram("fleet_engine_inter_token_latency_seconds", "inter-token latency", ITL_BUCKETS,
-                                    counters, labels)
+        def histogram(name: str, desc: str, buckets: list[float]) -> "BatchedHistogram":
+            return BatchedHistogram(make_family(name, desc, fam.HISTOGRAM).Metric(labels=labels, buckets=buckets))
+
+        self.ttft = histogram("fleet_engine_ttft_seconds", "time from arrival at the engine to first token",
+                              TTFT_BUCKETS)
+        self.itl = histogram("fleet_engine_inter_token_latency_seconds", "time between a stream's tokens "
+                             "(sampled above 64 a tick)", ITL_BUCKETS)
+        self.queue_wait = histogram("fleet_engine_queue_wait_seconds", "time from arrival to admission into the "
+                                    "running batch", QUEUE_BUCKETS)
         self._preempt_seen = 0
 
     def update(self, engine: Any) -> None:
@@ -122,11 +139,16 @@ class TritonMetrics:
             self.preemptions.increment(delta)
             self._preempt_seen += delta
         self.hit_rate.set(engine.kv.hit_rate())
+        for metric, i, total in ((self.prefix_queries, 0, engine.kv.prefix_queried_tokens),
+                                 (self.prefix_hits, 1, engine.kv.prefix_hit_tokens)):
+            if total > self._prefix_seen[i]:
+                metric.increment(total - self._prefix_seen[i])
+                self._prefix_seen[i] = total
         self.tokens_per_s.set(engine.stats.tokens_per_s())
         self.adapters.set(len(engine.lora.loaded()) if engine.lora else 0)
         self._kv_overhead_max = max(self._kv_overhead_max, engine.kv_overhead())
         self.kv_overhead.set(self._kv_overhead_max)
-        for batched in (self.tokens, self.ttft, self.itl):
+        for batched in (self.tokens, self.ttft, self.itl, self.queue_wait):
             batched.flush()
 
 
@@ -146,34 +168,25 @@ class BatchedCounter:
 
 
 class BatchedHistogram:
-    """A Prometheus histogram observed in-process and published on flush as counters `<name>_bucket{le}`
-    (cumulative, `+Inf` last), `<name>_sum` and `<name>_count`: the series a Prometheus histogram exposes,
-    at most len(buckets) + 3 server calls per flush whatever was observed."""
+    """A Triton HISTOGRAM metric observed in-process and published on flush: every observation when there
+    were at most `cap` since the last flush, else a uniform sample of `cap` of them (reservoir sampling)."""
 
-    def __init__(self, name: str, description: str, buckets: list[float], family: Any, labels: dict[str, str]):
-        self.bounds = list(buckets)
-        bucket = family(f"{name}_bucket", f"{description} (cumulative count of observations <= le)")
-        self.buckets = [bucket.Metric(labels={**labels, "le": _le(b)}) for b in [*self.bounds, float("inf")]]
-        self.total = BatchedCounter(family(f"{name}_sum", f"{description}: sum of observations (s)").Metric(
-            labels=labels))
-        self.count = BatchedCounter(family(f"{name}_count", f"{description}: observations").Metric(labels=labels))
-        self.pending = [0] * (len(self.bounds) + 1)   # observations per bucket (not cumulative) since the flush
+    def __init__(self, metric: Any, cap: int = MAX_OBSERVATIONS_PER_FLUSH, rng: random.Random | None = None):
+        self.metric, self.cap = metric, cap
+        self.pending: list[float] = []
+        self.seen = 0
+        self._rng = rng or random.Random(0)
 
     def observe(self, value: float) -> None:
-        self.pending[bisect.bisect_left(self.bounds, value)] += 1
-        self.total.add(value)
-        self.count.add(1)
+        self.seen += 1
+        if len(self.pending) < self.cap:
+            self.pending.append(value)
+        else:
+            slot = self._rng.randrange(self.seen)
+            if slot < self.cap:
+                self.pending[slot] = value
 
     def flush(self) -> None:
-        cumulative = 0
-        for metric, n in zip(self.buckets, self.pending):
-            cumulative += n
-            if cumulative:
-                metric.increment(cumulative)
-        self.pending = [0] * len(self.pending)
-        self.total.flush()
-        self.count.flush()
-
-
-def _le(bound: float) -> str:
-    return "+Inf" if bound == float("inf") else repr(bound)
+        for value in self.pending:
+            self.metric.observe(value)
+        self.pending, self.seen = [], 0

@@ -76,7 +76,8 @@ class TritonPythonModel:
         tracing.configure("fleet-replica", settings.otlp_endpoint, settings.trace_sample_ratio,
                           **{"fleet.replica": identity["replica_id"]})
         self.replica_id = identity["replica_id"]
-        labels = {"replica_id": identity["replica_id"], "model": identity["model"] or "engine"}
+        labels = {"replica_id": identity["replica_id"], "model": identity["model"] or "engine",
+                  "version": str(identity["version"] or "")}
         self.metrics = TritonMetrics(pb_utils, labels)
         self.reporter = StateReporter(identity, self.config.state_full_snapshot_s).start()
 
