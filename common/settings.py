@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     viewer_token: str = ""  # read-only token; default: the data dir's viewer-token file
     autoscaler: bool = True  # FLEET_AUTOSCALER=off: `fleet up` starts no autoscaler
     currency: str = Field("USD", pattern=r"^[A-Z]{3}$")  # ISO 4217: the one currency of prices, budgets, GPU cost
+    # usage loader's Prometheus metrics (usage/loader_metrics.py): 0 = not served; 9108 in deploy/
+    usage_metrics_port: int = Field(0, ge=0, lt=65536)
+    usage_metrics_host: str = "127.0.0.1"
     metrics_scrape_s: float = Field(10.0, ge=0.5, le=3600)  # router /metrics -> usage store history, seconds
     usage_fault: Literal["", "mid_write", "after_write"] = ""  # crash tests only: the loader exits there
     trtllm_examples_dir: str = Field("/opt/TensorRT-LLM/examples",

@@ -60,12 +60,16 @@ COMPLETION_LENGTH = Histogram("fleet_router_completion_length_tokens", "Completi
                               "request (tokens streamed)", ["model", "version", "tier"], buckets=LENGTH_BUCKETS)
 FINISHED = Counter("fleet_router_finished_total", "Requests finished, by why their stream ended (stop, length, "
                    "deadline, cancelled, error)", ["model", "version", "tier", "finish_reason"])
+USAGE_SPOOL_PENDING = Gauge("fleet_router_usage_spool_pending", "Usage events spooled by this router and not yet "
+                            "acknowledged by Kafka (the first leg of the usage pipeline's lag)")
 
 def refresh_replica_gauges(router) -> None:
     """Set the per-replica gauges from the fresh state reports (called at each /metrics scrape), dropping
     replicas that stopped reporting so a dead replica does not show its last KV use forever."""
     for gauge in (REPLICA_KV, REPLICA_WAITING):
         gauge.clear()
+    if router.usage is not None:
+        USAGE_SPOOL_PENDING.set(router.usage.pending())
     for r in router.registry.snapshot.replicas:
         state = router.replica_state.fresh(r.replica_id)
         if state is None:

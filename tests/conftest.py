@@ -94,7 +94,9 @@ def platform(tmp_path_factory, otlp_receiver):
     """One `fleet up` per test session (it costs ~40 s), and `fleet down` at the end, which must leave no
     process behind. Traces go to the session's OTLP receiver and logs are JSON (tests/observability)."""
     data_dir = tmp_path_factory.mktemp("platform")
-    env = {**platform_env(data_dir), "FLEET_OTLP_ENDPOINT": otlp_receiver.endpoint, "FLEET_LOG_FORMAT": "json"}
+    env = platform_env(data_dir)
+    env.update(FLEET_OTLP_ENDPOINT=otlp_receiver.endpoint, FLEET_LOG_FORMAT="json",  # the block's base + 5 is free:
+               FLEET_USAGE_METRICS_PORT=str(int(env["FLEET_ROUTER_HTTP_PORT"]) + 5))  # common.processes
     p = Platform(env, data_dir)
     up = p.fleet("up")
     assert up.returncode == 0, f"fleet up failed:\n{up.stdout}\n{up.stderr}"

@@ -36,6 +36,7 @@ import pandas as pd
 from kafka.structs import OffsetAndMetadata, TopicPartition
 from pydantic import ValidationError
 
+from usage import loader_metrics
 from usage import store
 from usage.events import UsageEvent
 from usage.kafka_io import close_producer, ensure_topics, make_consumer, make_producer
@@ -96,6 +97,8 @@ class UsageLoader:
         self._dlq = None
         self.stats = {"batches": 0, "consumed": 0, "inserted": 0, "duplicates": 0, "rejected": 0, "errors": 0}
         self.timings = {"validate_s": 0.0, "write_s": 0.0}  # wall time per phase, for the benchmark
+        self.started_at, self.last_stored_at, self.lag, self.lag_checked_at = time.time(), 0.0, 0, 0.0  # metrics
+        self.metrics_db_url = ""  # registry of the budgets, when the loader's metrics are served
 
     # ---- one batch ------------------------------------------------------------------------------
     def run_once(self, max_wait_s: float = 1.0) -> int:
@@ -148,6 +151,7 @@ class UsageLoader:
         self.stats["inserted"] += inserted
         self.stats["duplicates"] += consumed - len(rejects) - inserted  # repeats in or across batches
         self.stats["rejected"] += len(rejects)
+        loader_metrics.mark_stored(self)
 
     def _write(self, rows: list[tuple], rejects: list) -> int:
         with store.connect(self.store_path) as con:
@@ -264,6 +268,8 @@ class UsageLoader:
                     inflight = None
                 self._close_clients()
                 stop_event.wait(1.0)
+            loader_metrics.refresh_lag(self, time.monotonic())
+            loader_metrics.refresh_spend(self, time.monotonic(), self.metrics_db_url)
             if time.monotonic() - last_report > 30:
                 log.info("usage loader: %s", self.stats)
                 last_report = time.monotonic()
@@ -342,6 +348,9 @@ def run_from_args(args: argparse.Namespace, settings) -> int:
         loader.close()
         print(json.dumps({"consumed": n, **loader.stats}))
         return 0
+    if settings.usage_metrics_port:
+        loader_metrics.serve(loader, settings.usage_metrics_host, settings.usage_metrics_port)
+        loader.metrics_db_url = settings.db_url if _registry_configured(settings) else ""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
