@@ -21,6 +21,10 @@ VENDOR=.fleet/vendor
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null; then
   (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "install: could not install chromium"
 fi
+# Prometheus and promtool (Debian's) for the alert-rule unit tests and the live scrape test (tests/observability).
+if [ ! -x /usr/bin/promtool ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null) || echo "install: could not install prometheus"
+fi
 # The engine's fused CPU kernels, compiled once for this machine (replicas then only load them; where they cannot
 # be built the engine runs its torch ops). `make up` / `make test` re-check them, in case the source changed.
 PATH="$PWD/.venv/bin:$PATH" $PY -m python_backends.engine.cpu_kernels || echo "install: fused CPU kernels not built; the engine uses torch ops"
