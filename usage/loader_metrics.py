@@ -21,6 +21,12 @@ from usage.chargeback import cost_table
 log = logging.getLogger(__name__)
 LAG_EVERY_S = 10.0  # consumer lag costs the broker a round trip: asked at most this often
 SPEND_EVERY_S = 60.0  # month-to-date cost per team: one DuckDB query and one registry read
+# loader.stats key -> (counter name, without the _total the exposition adds; help)
+COUNTERS = {"consumed": ("fleet_usage_loader_consumed", "usage events read from Kafka"),
+            "inserted": ("fleet_usage_loader_inserted", "usage events stored in DuckDB"),
+            "duplicates": ("fleet_usage_loader_duplicates", "usage events already stored (re-deliveries, repeats)"),
+            "rejected": ("fleet_usage_loader_dead_letters", "usage events sent to the dead-letter topic"),
+            "errors": ("fleet_usage_loader_errors", "loader batches that failed (broker or store error; retried)")}
 
 
 class LoaderCollector:
@@ -29,12 +35,7 @@ class LoaderCollector:
 
     def collect(self):
         stats = self.loader.stats
-        for key, help_text in (("consumed", "usage events read from Kafka"),
-                               ("inserted", "usage events stored in DuckDB"),
-                               ("duplicates", "usage events already stored (re-deliveries, repeats)"),
-                               ("rejected", "usage events sent to the dead-letter topic"),
-                               ("errors", "loader batches that failed (broker or store error; retried)")):
-            name = "fleet_usage_loader_dead_letters" if key == "rejected" else f"fleet_usage_loader_{key}"
+        for key, (name, help_text) in COUNTERS.items():
             yield CounterMetricFamily(name, help_text, value=stats.get(key, 0))
         yield GaugeMetricFamily("fleet_usage_loader_last_store_timestamp_seconds", "Unix time the loader last "
                                 "stored a batch (its start time until then)",
