@@ -161,6 +161,7 @@ def test_token_metrics_are_published_as_prometheus_histograms(triton):
         buckets = {re.search(r'le="([^"]+)"', line).group(1): float(line.rsplit(" ", 1)[1])
                    for line in text.splitlines() if line.startswith(f"{name}_bucket{{")}
         counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"{name}_count{{")]
+        assert f"# TYPE {name} histogram" in text, f"{name} is not exported as a histogram"
         return buckets, counts[0] if counts else 0.0
 
     def published() -> bool:
