@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     from common.logs import setup_logging
     from common.settings import load_settings
 
-    setup_logging("autoscale", load_settings().log_level)
+    settings = load_settings()
+    setup_logging("autoscale", settings.log_level, settings.log_format)
     parser = argparse.ArgumentParser(prog="python -m autoscale.cli")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

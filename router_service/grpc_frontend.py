@@ -18,9 +18,9 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from router_service import tracing
 from router_service.core import Router
 from router_service.errors import RouterError
-from router_service import tracing
 from router_service.kserve_codec import decode_request, encode_stream_response, merge_responses
 from router_service.visibility import visible_models
 

@@ -36,6 +36,7 @@ import pandas as pd
 from kafka.structs import OffsetAndMetadata, TopicPartition
 from pydantic import ValidationError
 
+from common.logs import setup_logging
 from usage import loader_metrics
 from usage import store
 from usage.events import UsageEvent
@@ -335,8 +336,7 @@ def add_load_arguments(parser: argparse.ArgumentParser, settings) -> None:
 
 
 def run_from_args(args: argparse.Namespace, settings) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(logging.WARNING)  # its INFO lines are per connection
+    setup_logging("usage-loader", settings.log_level, settings.log_format)  # kafka's INFO lines: off there
     known = None
     if args.check_callers and _registry_configured(settings):
         known = registry_callers(settings.db_url)
