@@ -23,6 +23,7 @@ class ReceivedSpan:
     start_ns: int
     end_ns: int
     attributes: dict
+    error: bool = False
 
 
 def _value(v) -> object:
@@ -58,7 +59,8 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                 for s in ss.spans:
                     got.append(ReceivedSpan(service, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
                                             s.name, s.start_time_unix_nano, s.end_time_unix_nano,
-                                            {a.key: _value(a.value) for a in s.attributes}))
+                                            {a.key: _value(a.value) for a in s.attributes},
+                                            s.status.code == s.status.STATUS_CODE_ERROR))
         with self._lock:
             self.spans.extend(got)
         return trace_service_pb2.ExportTraceServiceResponse()
@@ -76,3 +78,33 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                 return spans
             time.sleep(0.2)
         return self.trace(trace_id)
+
+
+def check_resumed_trace(receiver: OtlpReceiver, request_id: str, failed_replica: str) -> None:
+    """The trace of a request resumed after `failed_replica` hung: two upstream attempts under the request's
+    span, the first on the hung replica and failed, the second elsewhere from the tokens already streamed,
+    and the second replica's engine span under the second attempt."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with receiver._lock:
+            root = next((s for s in receiver.spans if s.attributes.get("fleet.request_id") == request_id
+                         and s.service == "fleet-router"), None)
+        if root is not None:
+            spans = receiver.trace(root.trace_id)
+            attempts = sorted((s for s in spans if s.name == "router.upstream"), key=lambda s: s.attributes["fleet.attempt"])
+            engines = [s for s in spans if s.name == "engine.request"]
+            if len(attempts) == 2 and any(e.parent_span_id == attempts[1].span_id for e in engines):
+                break
+        time.sleep(0.2)
+    else:
+        with receiver._lock:
+            seen = [(s.service, s.name, s.attributes.get("fleet.request_id"), s.attributes.get("fleet.attempt"))
+                    for s in receiver.spans[-40:]]
+        raise AssertionError(f"no trace with two attempts for {request_id}; last spans: {seen}")
+    first, second = attempts
+    assert first.parent_span_id == second.parent_span_id == root.span_id
+    assert first.attributes["fleet.replica"] == failed_replica and first.error
+    assert second.attributes["fleet.replica"] != failed_replica and not second.error
+    assert second.attributes["fleet.resumed_tokens"] >= 8 and second.start_ns >= first.end_ns - 1_000_000
+    engine = next(e for e in engines if e.parent_span_id == second.span_id)
+    assert engine.attributes["fleet.replica"] == second.attributes["fleet.replica"]

@@ -14,10 +14,12 @@ from tests.usage.conftest import make_event, topic  # noqa: F401 (shared fixture
 INTER_TOKEN_S = 3.0   # a stalled stream is noticed within seconds
 
 
-def start_fault_stack(data_dir: Path, router_args: tuple[str, ...] = ("--no-usage",), **router_env: str) -> RouterStack:
+def start_fault_stack(data_dir: Path, router_args: tuple[str, ...] = ("--no-usage",),
+                      replica_env: dict[str, str] | None = None, **router_env: str) -> RouterStack:
     """Three fp32 replicas (the same text wherever a stream resumes) behind a router whose inter-token timeout
-    is INTER_TOKEN_S, plus the caller's router settings."""
-    return RouterStack.start(data_dir, replicas=3, engine_env={"FLEET_ENGINE_DTYPE": "fp32"}, router_args=router_args,
+    is INTER_TOKEN_S, plus the caller's router (and replica) settings."""
+    return RouterStack.start(data_dir, replicas=3, engine_env={"FLEET_ENGINE_DTYPE": "fp32", **(replica_env or {})},
+                             router_args=router_args,
                              router_env={"FLEET_ROUTER_INTER_TOKEN_TIMEOUT_S": str(INTER_TOKEN_S), **router_env})
 
 

@@ -20,6 +20,7 @@ from tritonclient.grpc import InferInput, InferRequestedOutput
 
 from common.text import REPLACEMENT_CHAR, load_tokenizer
 from tests.integration.router_client import CHATML, build_inputs, stream_once
+from tests.observability.otlp_receiver import check_resumed_trace
 from tests.reliability.conftest import INTER_TOKEN_S, start_fault_stack
 
 pytestmark = pytest.mark.integration
@@ -28,9 +29,11 @@ SLOW_READER_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, otlp_receiver):
     s = start_fault_stack(tmp_path_factory.mktemp("reliability"), FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S="20",
-                          FLEET_ROUTER_STREAM_QUEUE="8", FLEET_ROUTER_SLOW_READER_TIMEOUT_S=str(SLOW_READER_S))
+                          FLEET_ROUTER_STREAM_QUEUE="8", FLEET_ROUTER_SLOW_READER_TIMEOUT_S=str(SLOW_READER_S),
+                          FLEET_OTLP_ENDPOINT=otlp_receiver.endpoint,  # traces: the resume's two attempts
+                          replica_env={"FLEET_OTLP_ENDPOINT": otlp_receiver.endpoint})
     yield s
     for rid in s.replica_ids:  # never leave a stopped process behind
         _cont(s, rid)
@@ -135,7 +138,7 @@ def test_non_streamed_http_request_stops_generating_when_the_caller_leaves(stack
     assert _metric(stack, "fleet_router_cancels_total") == before + 1
 
 
-def test_hung_replica_is_timed_out_cordoned_and_the_stream_resumes_exactly(stack):
+def test_hung_replica_is_timed_out_cordoned_and_the_stream_resumes_exactly(stack, otlp_receiver):
     prompt = CHATML.format(q="Describe the city of Rome in detail.")
     reference = asyncio.run(_stream(stack, prompt, 48))
     assert reference.error is None and len(reference.ids) >= 24
@@ -152,6 +155,7 @@ def test_hung_replica_is_timed_out_cordoned_and_the_stream_resumes_exactly(stack
         assert _metric(stack, "fleet_router_stream_timeouts_total") >= 1
         again = asyncio.run(_stream(stack, CHATML.format(q="Say hello."), 8))  # routed around the hung one
         assert again.error is None and again.ids
+        check_resumed_trace(otlp_receiver, out.response_id, stopped[0])
     finally:
         _restore(stack, stopped)
 
