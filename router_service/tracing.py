@@ -32,6 +32,8 @@ FASTAPI_TELEMETRY = {"tracing": False, "metrics": False, "logs": False, "operati
 
 
 def _start(frontend: str, client_request_id: str) -> dict:
+    """Open the request's log context (the task's; common.logs): the caller's own id only when well formed
+    (the HTTP frontend refuses a malformed one with a 400 naming the header), and the access line's clock."""
     ctx = bind_request(client_request_id=client_request_id if CLIENT_ID_RE.match(client_request_id or "") else "")
     ctx["_started"] = repr(time.monotonic())
     ctx["_frontend"] = frontend
