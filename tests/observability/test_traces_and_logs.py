@@ -93,3 +93,10 @@ def test_grpc_stream_traceparent_metadata_and_refused_request_access_line(platfo
     assert resp.status_code == 404
     refused = [r for r in _router_log(platform) if r.get("logger") == "fleet.access" and r.get("trace_id") == trace_id]
     assert len(refused) == 1 and refused[0]["status"] == "not_found" and refused[0]["error_code"] == "not_found"
+
+    # a malformed correlation id is refused, naming the header and what is allowed
+    bad = httpx.post(f"{platform.http_url}/v1/completions", timeout=30,
+                     headers={"authorization": f"Bearer {platform.api_key}", "x-request-id": "no spaces please"},
+                     json={"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2})
+    assert bad.status_code == 400 and "x-request-id" in bad.json()["error"]["message"]
+    assert "A-Z a-z 0-9" in bad.json()["error"]["message"]
