@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from router_service.admin_api import admin_router
+from router_service.budgets import warning_fields, warning_headers
 from router_service.core import Router
 from router_service.errors import RouterError
 from router_service.http_body import read_body
@@ -78,7 +79,7 @@ def create_app(router: Router) -> FastAPI:
         prepared = await router.prepare(caller, body.request())
         if body.stream:  # the background task frees the slot if the caller left before streaming began
             return StreamingResponse(_sse(router, prepared, chat), media_type="text/event-stream",
-                                     headers={"x-request-id": prepared.req.request_id},
+                                     headers={"x-request-id": prepared.req.request_id, **warning_headers(prepared)},
                                      background=BackgroundTask(router.release_unstarted, prepared))
         try:
             items = await _collect_unless_disconnected(request, router.stream(prepared))
@@ -92,7 +93,7 @@ def create_app(router: Router) -> FastAPI:
                   if chat else {"index": 0, "text": text, "finish_reason": final.finish_reason, "logprobs": None})
         return {"id": prepared.req.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": prepared.model.name, "system_fingerprint": prepared.model.version,
-                "choices": [choice], "usage": _usage(final)}
+                "choices": [choice], "usage": _usage(final), **warning_fields(prepared)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
