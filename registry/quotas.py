@@ -130,7 +130,7 @@ def admit_many(session: Session, requests: Sequence[LeaseRequest], *, day: str, 
             teams[r.team, b.period] = committed + b.cost
             if committed + b.cost >= b.soft_share * b.amount:
                 warning = (f"team {r.team!r} has used or reserved {_amount(committed + b.cost, b.unit)} of its "
-                           f"{b.period_kind}ly budget of {_amount(b.amount, b.unit)} ({b.period}; resets "
+                           f"{_ADJECTIVE[b.period_kind]} budget of {_amount(b.amount, b.unit)} ({b.period}; resets "
                            f"{budgets.resets_at(b.period_kind, now).isoformat()})")
         out[i] = Admitted(warning)
         session.add(InflightLease(lease_id=r.lease_id, caller=r.caller, day=day, router_id=router_id,
@@ -141,6 +141,9 @@ def admit_many(session: Session, requests: Sequence[LeaseRequest], *, day: str, 
     return out
 
 
+_ADJECTIVE = {"month": "monthly", "day": "daily"}
+
+
 def _amount(value: float, unit: str) -> str:
     return f"{value:,.0f} tokens" if unit == "tokens" else f"{value:,.6f}"
 
@@ -148,7 +151,7 @@ def _amount(value: float, unit: str) -> str:
 def _budget_refusal(team: str, b: BudgetAsk, committed: float, now: float) -> QuotaRefused:
     reset = budgets.resets_at(b.period_kind, now)
     return QuotaRefused("budget", f"budget exhausted: team {team!r} has used or reserved {_amount(committed, b.unit)} "
-                                  f"of its {b.period_kind}ly budget of {_amount(b.amount, b.unit)} ({b.unit}) for "
+                                  f"of its {_ADJECTIVE[b.period_kind]} budget of {_amount(b.amount, b.unit)} ({b.unit}) for "
                                   f"{b.period}; this request needs up to {_amount(b.cost, b.unit)}; the budget "
                                   f"resets at {reset.isoformat()}", max(1000, int((reset.timestamp() - now) * 1000)))
 
