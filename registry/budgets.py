@@ -57,12 +57,12 @@ def reserved(session: Session, team: str, period: str, now: float | None = None)
 
 
 def spend_rows(session: Session, period_keys: dict[str, str] | None = None) -> dict[str, dict]:
-    """team -> {period, spent, reserved} of each budgeted team's current period (the routers' numbers)."""
+    """team -> {current_period, spent, reserved} of each budgeted team's current period (the routers' numbers)."""
     out = {}
     for b in list_budgets(session):
         key = (period_keys or {}).get(b.team) or period_key(b.period)
         spent = session.scalar(select(BudgetSpend.spent).where(BudgetSpend.team == b.team, BudgetSpend.period == key))
-        out[b.team] = {"period": key, "spent": float(spent or 0.0), "reserved": reserved(session, b.team, key)}
+        out[b.team] = {"current_period": key, "spent": float(spent or 0.0), "reserved": reserved(session, b.team, key)}
     return out
 
 
