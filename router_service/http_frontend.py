@@ -14,7 +14,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from router_service.admin_api import admin_router
@@ -22,7 +21,7 @@ from router_service.budgets import warning_fields, warning_headers
 from router_service.core import Router
 from router_service.errors import RouterError
 from router_service.http_body import read_body
-from router_service.metrics import refresh_replica_gauges
+from router_service.metrics import prometheus_page
 from router_service.openai_schema import ChatBody, CompletionBody
 from router_service.request import TIERS, Finished, Prepared, TokenDelta
 from router_service.visibility import visible_models
@@ -57,10 +56,7 @@ def create_app(router: Router) -> FastAPI:
     async def health():
         return {"status": "ok", "registry_version": router.registry.snapshot.version}
 
-    @app.get("/metrics")
-    async def prometheus():
-        refresh_replica_gauges(router)
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    app.add_api_route("/metrics", prometheus_page(router), methods=["GET"])
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -1,0 +1,111 @@
+"""Two real router processes sharing the callers' ports (SO_REUSEPORT) in front of a real Triton replica
+(SmolLM2): both take traffic, both get the replica's state reports, the metrics scraper merges both; `kill -9`
+of one under load leaves the other serving every request sent to it, and the dead router's leases (quota,
+concurrency, budget) lapse within LEASE_TTL_S."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import sys
+import time
+
+import httpx
+import pytest
+
+from common import processes
+from common.processes import wait_until
+from common.settings import REPO_ROOT
+from registry import queries, quotas
+from registry.db import session_scope
+from router_service.gateway import _today
+from tests.integration.router_stack import RouterStack
+from usage import fleet_metrics
+from usage.metrics_scraper import read_routers
+
+pytestmark = pytest.mark.integration
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = RouterStack.start(tmp_path_factory.mktemp("router-tier"), replicas=1, router_env={"FLEET_ROUTERS": "2"})
+    log = s.settings.logs_dir / "router-1.log"
+    second = processes.spawn([sys.executable, "-m", "router_service", "--no-usage", "--index", "1"], log, env=s.env,
+                             cwd=REPO_ROOT)
+    s.second = second
+    try:
+        wait_until(lambda: _ok(f"{s.settings.router_internal_urls[1]}/metrics"), 60, "second router")
+        for url in s.settings.router_internal_urls:   # both routers have the replica's reports
+            wait_until(lambda url=url: 'fleet_router_replica_kv_utilisation{' in httpx.get(f"{url}/metrics").text,
+                       60, f"state reports at {url}")
+        yield s
+    finally:
+        processes.stop_pid(second.pid)
+        s.stop()
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _complete(stack, max_tokens: int = 8) -> tuple[int, str]:
+    """One request on a new connection (so the kernel picks a router for it): (status, text or error)."""
+    try:
+        with httpx.Client(timeout=120) as client:
+            resp = client.post(f"{stack.http_url}/v1/completions", headers={"authorization": f"Bearer {stack.api_key}"},
+                               json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": max_tokens,
+                                     "temperature": 0, "ignore_eos": True})
+        return resp.status_code, resp.json()["choices"][0]["text"] if resp.status_code == 200 else resp.text
+    except httpx.HTTPError as exc:
+        return -1, f"{type(exc).__name__}: {exc}"
+
+
+def _requests_by_router(stack) -> list[float]:
+    out = []
+    for page in read_routers(stack.settings.router_internal_urls):
+        out.append(sum(v for name, labels, _le, v in page if name == "fleet_router_requests_total"
+                       and json.loads(labels).get("status") == "ok"))
+    return out
+
+
+def test_both_routers_take_traffic_and_the_scraper_merges_them(stack):
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: _complete(stack, 4), range(24)))
+    assert all(status == 200 for status, _ in answers), answers
+    per_router = _requests_by_router(stack)
+    assert sum(per_router) >= 24 and min(per_router) > 0, per_router   # SO_REUSEPORT spread the connections
+    merged = fleet_metrics.merge_routers(read_routers(stack.settings.router_internal_urls))
+    total = sum(v for name, labels, _le, v in merged if name == "fleet_router_requests_total"
+                and json.loads(labels).get("status") == "ok")
+    assert total == sum(per_router)
+    kv = [labels for name, labels, _le, _v in merged if name == "fleet_router_replica_kv_utilisation"]
+    assert len(kv) == len(set(kv)) == 1     # the replica's gauge once, not once per router
+
+
+def test_kill_9_of_one_router_under_load_leaves_the_other_serving_and_its_leases_lapse(stack):
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        load = [pool.submit(_complete, stack, 48) for _ in range(12)]
+        time.sleep(1.5)                                      # streams running on both routers
+        os.kill(stack.second.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        answers = [f.result() for f in load]
+    failed = [a for a in answers if a[0] != 200]
+    assert all(a[0] == -1 for a in failed), failed            # the dead router's streams: a broken connection
+    assert len(failed) < len(answers)                         # the other router's streams finished
+    after = [_complete(stack, 4) for _ in range(8)]           # new connections reach the live router only
+    assert all(status == 200 for status, _ in after), after
+
+    def leases_of_dead_router() -> int:
+        with session_scope(stack.settings.db_url) as s:
+            return sum(quotas.usage(s, c, _today())["inflight"] for c in _callers(s))
+    wait_until(lambda: leases_of_dead_router() == 0, quotas.LEASE_TTL_S + 10, "the dead router's leases to lapse")
+    assert time.monotonic() - killed_at <= quotas.LEASE_TTL_S + 10
+
+
+def _callers(session) -> list[str]:
+    return [c.name for c in queries.list_callers(session)]
