@@ -90,7 +90,7 @@ def test_both_routers_take_traffic_and_the_scraper_merges_them(stack):
 def test_kill_9_of_one_router_under_load_leaves_the_other_serving_and_its_leases_lapse(stack):
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         load = [pool.submit(_complete, stack, 48) for _ in range(12)]
-        time.sleep(1.5)                                      # streams running on both routers
+        wait_until(lambda: _inflight(stack, 1) > 0, 30, "streams on the second router")
         os.kill(stack.second.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         answers = [f.result() for f in load]
@@ -105,6 +105,12 @@ def test_kill_9_of_one_router_under_load_leaves_the_other_serving_and_its_leases
             return sum(quotas.usage(s, c, _today())["inflight"] for c in _callers(s))
     wait_until(lambda: leases_of_dead_router() == 0, quotas.LEASE_TTL_S + 10, "the dead router's leases to lapse")
     assert time.monotonic() - killed_at <= quotas.LEASE_TTL_S + 10
+
+
+def _inflight(stack, index: int) -> float:
+    page = httpx.get(f"{stack.settings.router_internal_urls[index]}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+               if line.startswith("fleet_router_inflight_requests{"))
 
 
 def _callers(session) -> list[str]:
