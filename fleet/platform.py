@@ -107,7 +107,7 @@ def print_endpoints(settings: Settings, api_key: str) -> None:
     console.print(f"""
 [bold]The platform is up.[/]
   router gRPC (KServe v2)  {grpc_url}
-  router HTTP (OpenAI)     {http_url}/v1   (metrics: {http_url}/metrics)
+  router HTTP (OpenAI)     {http_url}/v1   (metrics: {http_url}/metrics; {settings.routers} router(s) on these ports)
   admin UI                 http://127.0.0.1:{settings.admin_ui_port}   (token in {settings.admin_token_file})
   Kafka                    {settings.kafka_bootstrap}   topic {settings.usage_topic}
   API key                  {api_key}   (also in {settings.dev_api_key_file})

@@ -74,8 +74,9 @@ def run(router_url: str, store_path: Path, db_url: str, interval_s: float, reten
     last_scrape: float | None = None
     gpus: dict[tuple[str, str], int] = {}
     failing = False
-    log.info("scraping %s/metrics every %.0f s into %s (kept %.1f days)", router_url, interval_s, store_path,
-             retention_s / 86400)
+    log.info("scraping %s every %.0f s into %s (kept %.1f days)",
+             ", ".join(f"{u.strip().rstrip('/')}/metrics" for u in str(router_url).split(",")), interval_s,
+             store_path, retention_s / 86400)
     while not stop.is_set():
         started = time.time()
         # a replica reporting now is counted for the time since the last good scrape, at most two intervals
