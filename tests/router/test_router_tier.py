@@ -188,7 +188,9 @@ async def _team(q: AdmissionQueue, pool: Pool, team: str, every_s: float, n: int
 
 
 def test_a_team_sending_ten_times_the_rate_does_not_delay_the_other_and_backlogged_teams_share_evenly():
-    prefill_s, tokens = 0.05, 50    # TTFT = queue wait + prefill; a stream holds its slot 50 x 2 ms
+    # TTFT = queue wait + prefill (0.1 s: a ~2,000-token prompt on a GPU replica); a stream holds its slot
+    # 25-75 tokens x 2 ms. In arrival order (no fair shares) B waited ~0.5 s behind A's backlog.
+    prefill_s, tokens = 0.1, 50
 
     async def run(with_a: bool) -> tuple[list[float], Pool]:
         q, pool, waits_a, waits_b = AdmissionQueue("m:1", 4096), Pool(slots=16, s_per_token=0.002), [], []
