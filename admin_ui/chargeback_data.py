@@ -87,9 +87,16 @@ def unit_costs(f: Filters, path=None) -> pd.DataFrame:
 
 
 def budget_rows(db_url: str | None = None) -> dict[str, tuple[float, str]]:
-    """team -> (monthly amount, currency) from the registry."""
+    """team -> (amount per period, currency) from the registry."""
+    return {team: (b["monthly_amount"], b["currency"]) for team, b in budget_details(db_url).items()}
+
+
+def budget_details(db_url: str | None = None) -> dict[str, dict]:
+    """team -> the budget (amount, currency, period, unit, soft share, enforce) and what the routers counted in
+    its current period: `spent` (settled requests, priced by the same rates) and `reserved` (in flight)."""
     with session_scope(db_url or load_settings().db_url) as s:
-        return {b.team: (b.monthly_amount, b.currency) for b in budgets.list_budgets(s)}
+        spend = budgets.spend_rows(s)
+        return {b.team: {**budgets.budget_dict(b), **spend.get(b.team, {})} for b in budgets.list_budgets(s)}
 
 
 def budget_status(now: dt.datetime, currency: str, path=None, db_url: str | None = None) -> pd.DataFrame:
@@ -102,11 +109,16 @@ def budget_status(now: dt.datetime, currency: str, path=None, db_url: str | None
     mtd = chargeback.cost_table(store_path(path), first, now.date() + dt.timedelta(days=1), group_by=("team",))
     actual = dict(zip(mtd["team"], mtd["cost_total"])) if not mtd.empty else {}
     rows = []
-    for team, (amount, budget_currency) in {**{t: (None, currency) for t in actual}, **budget_rows(db_url)}.items():
+    details = budget_details(db_url)
+    for team in sorted(set(actual) | set(details)):
+        b = details.get(team, {})
+        amount, budget_currency = b.get("monthly_amount"), b.get("currency", currency)
         spent = float(actual.get(team, 0.0))
         forecast = spent / elapsed * days_in_month
         if amount is None:
             status = "no budget"
+        elif b["period"] != "month" or b["unit"] != "money":
+            status = f"{b['period']}ly budget in {b['unit']}: see the routers' spend".replace("dayly", "daily")
         elif budget_currency != currency:
             status = f"budget is in {budget_currency}, prices in {currency}: not compared"
         elif spent > amount:
@@ -117,9 +129,12 @@ def budget_status(now: dt.datetime, currency: str, path=None, db_url: str | None
             status = "on track"
         rows.append({"team": team, "month_to_date": round(spent, MONEY_DECIMALS),
                      "forecast_month_end": round(forecast, MONEY_DECIMALS), "budget": amount,
-                     "used_share": spent / amount if amount else None, "status": status})
+                     "used_share": spent / amount if amount else None, "status": status,
+                     "period": b.get("period"), "unit": b.get("unit"), "routers_spent": b.get("spent"),
+                     "routers_reserved": b.get("reserved")})
     return pd.DataFrame(rows, columns=["team", "month_to_date", "forecast_month_end", "budget", "used_share",
-                                       "status"]).sort_values("team").reset_index(drop=True)
+                                       "status", "period", "unit", "routers_spent", "routers_reserved"]
+                        ).sort_values("team").reset_index(drop=True)
 
 
 def gpu_hours(f: Filters, path=None) -> pd.DataFrame:

@@ -85,9 +85,13 @@ class RouterClient:
         """`cordon`, `drain` or `uncordon`; returns the replica's new state."""
         return self._call("POST", f"/replicas/{replica_id}/{action}")["state"]
 
-    def set_budget(self, team: str, monthly_amount: float) -> dict:
-        """PUT /admin/budgets/{team}: the team's monthly budget in the platform currency."""
-        return self._call("PUT", f"/budgets/{team}", {"monthly_amount": monthly_amount})
+    def set_budget(self, team: str, monthly_amount: float, **options: object) -> dict:
+        """PUT /admin/budgets/{team}: the team's budget per period (options: period, unit, soft_share, enforce)."""
+        return self._call("PUT", f"/budgets/{team}", {"monthly_amount": monthly_amount, **options})
+
+    def budgets(self) -> dict:
+        """GET /admin/budgets: every budget with the routers' spend and reservations this period."""
+        return self._call("GET", "/budgets")
 
     def rollback_rules(self) -> list[dict]:
         return self._call("GET", "/rollback-rules")["rules"]

@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     # the router's internal listener (replica state reports): never the callers' port, loopback by default
     router_internal_host: str = "127.0.0.1"
     router_internal_port: int = Field(8032, gt=0, lt=65536)
+    # routers behind the shared callers' ports (SO_REUSEPORT); router i's internal listener is port + i
+    routers: int = Field(1, ge=1, le=16)
     replica_bind: str = "127.0.0.1"  # address Triton replicas listen on (pod address in Kubernetes)
     # CPU replicas: "dedicated" = the replica owns its cores, OpenMP workers spin between a step's ops;
     # "shared" = replicas share cores, workers sleep soon so they do not starve each other; "auto" = shared
@@ -87,6 +89,16 @@ class Settings(BaseSettings):
     @property
     def router_internal_url(self) -> str:
         return f"http://{self.router_internal_host}:{self.router_internal_port}"
+
+    @property
+    def router_internal_urls(self) -> list[str]:
+        """Every router's internal listener (replicas report to all of them): router i on port + i."""
+        return [f"http://{self.router_internal_host}:{self.router_internal_port + i}" for i in range(self.routers)]
+
+    @property
+    def router_metrics_urls(self) -> list[str]:
+        """Where each router's own /metrics is read: behind a shared port, its internal listener."""
+        return [self.router_http_url] if self.routers == 1 else self.router_internal_urls
 
     @property
     def router_grpc_url(self) -> str:

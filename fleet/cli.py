@@ -18,8 +18,11 @@ def build_parser() -> argparse.ArgumentParser:
                                   "the fleet. Ports and paths come from FLEET_* env vars "
                                   "(docs/architecture.md, Ports and settings).")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("up", "start the whole platform locally (idempotent) and print its endpoints"),
-                            ("down", "stop every process `fleet up` started"),
+    up = sub.add_parser("up", help="start the whole platform locally (idempotent) and print its endpoints")
+    up.add_argument("--routers", type=int, choices=range(1, 17), metavar="N", default=None,
+                    help="router processes sharing the callers' ports (SO_REUSEPORT); default FLEET_ROUTERS or 1")
+    up.set_defaults(handler="up")
+    for name, help_text in (("down", "stop every process `fleet up` started"),
                             ("status", "show the platform's processes"),
                             ("seed", "create the dev caller, admin token and default route if missing")):
         sub.add_parser(name, help=help_text).set_defaults(handler=name)
@@ -43,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     from fleet import platform
     from fleet.seed import seed
+    if getattr(args, "routers", None):  # the processes `up` starts get it as FLEET_ROUTERS (platform.child_env)
+        settings = settings.model_copy(update={"routers": args.routers})
     if handler == "seed":
         from registry.db import migrate
         migrate(settings.db_url)

@@ -1,12 +1,14 @@
 """`fleet up` / `fleet down` / `fleet status`: the whole local platform on embedded defaults.
 
 Order of start: registry migration and seed, engine build (cached), Kafka broker (tansu), usage loader,
-one Triton replica, router, metrics scraper, autoscaler (unless FLEET_AUTOSCALER=off), admin UI. Each step is skipped
-when already running, so `up` is re-runnable.
+one Triton replica, the routers (`--routers N` / FLEET_ROUTERS: N processes sharing the callers' ports through
+SO_REUSEPORT, docs/router.md "Several routers"), metrics scraper, autoscaler (unless FLEET_AUTOSCALER=off), admin UI.
+Each step is skipped when already running, so `up` is re-runnable.
 """
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import urllib.request
@@ -34,13 +36,18 @@ def _http_ok(url: str) -> bool:
         return resp.status == 200
 
 
+def child_env(settings: Settings) -> dict[str, str]:
+    """The environment of the processes `up` starts: this one's, with the router count `up` was given."""
+    return {**dict(os.environ), "FLEET_ROUTERS": str(settings.routers)}
+
+
 def _start(settings: Settings, name: str, cmd: list[str], health, what: str, timeout_s: float = 60,
            info: dict | None = None) -> None:
     if _alive(settings, name):
         console.print(f"  [green]✓[/] {what} already running")
         return
     log_path = settings.logs_dir / f"{name}.log"
-    proc = processes.spawn(cmd, log_path, cwd=REPO_ROOT)
+    proc = processes.spawn(cmd, log_path, env=child_env(settings), cwd=REPO_ROOT)
     processes.wait_until(health, timeout_s, what, proc, log_path)
     processes.record(settings, name, proc, info or {})
     console.print(f"  [green]✓[/] {what} started (pid {proc.pid}, log {log_path})")
@@ -68,10 +75,9 @@ def up(settings: Settings) -> None:
     with console.status("starting the Triton replica (loads the model)"):
         start_replica(settings, ReplicaSpec(DEFAULT_MODEL, DEFAULT_VERSION, 0))
     console.print("  [green]✓[/] Triton replica serving ensemble `llm`")
-    _start(settings, "router", [sys.executable, "-m", "router_service"],
-           lambda: _http_ok(f"{settings.router_http_url}/health"), "router", info={"kind": "router"})
+    start_routers(settings)
     _start(settings, "metrics-scraper", [sys.executable, "-m", "fleet.cli", "usage", "scrape-metrics"], lambda: True,
-           "metrics scraper (router /metrics -> usage store; automatic rollback rules)",
+           "metrics scraper (every router's /metrics -> usage store; automatic rollback rules)",
            info={"kind": "metrics-scraper"})
     if settings.autoscaler:
         _start(settings, "autoscaler", [sys.executable, "-m", "fleet.cli", "autoscale", "run"], lambda: True,
@@ -84,12 +90,24 @@ def up(settings: Settings) -> None:
     print_endpoints(settings, api_key)
 
 
+def router_name(index: int) -> str:
+    return "router" if index == 0 else f"router-{index}"
+
+
+def start_routers(settings: Settings) -> None:
+    """FLEET_ROUTERS router processes on the shared callers' ports, each healthy on its own internal listener."""
+    for i, internal in enumerate(settings.router_internal_urls):
+        _start(settings, router_name(i), [sys.executable, "-m", "router_service", "--index", str(i)],
+               lambda url=internal: _http_ok(f"{url}/metrics") and _http_ok(f"{settings.router_http_url}/health"),
+               f"router {i + 1} of {settings.routers}", info={"kind": "router", "index": i, "internal_url": internal})
+
+
 def print_endpoints(settings: Settings, api_key: str) -> None:
     grpc_url, http_url = settings.router_grpc_url, settings.router_http_url
     console.print(f"""
 [bold]The platform is up.[/]
   router gRPC (KServe v2)  {grpc_url}
-  router HTTP (OpenAI)     {http_url}/v1   (metrics: {http_url}/metrics)
+  router HTTP (OpenAI)     {http_url}/v1   (metrics: {http_url}/metrics; {settings.routers} router(s) on these ports)
   admin UI                 http://127.0.0.1:{settings.admin_ui_port}   (token in {settings.admin_token_file})
   Kafka                    {settings.kafka_bootstrap}   topic {settings.usage_topic}
   API key                  {api_key}   (also in {settings.dev_api_key_file})
@@ -106,8 +124,9 @@ curl -N {http_url}/v1/chat/completions -H "Authorization: Bearer $(cat {settings
 
 def down(settings: Settings) -> None:
     # autoscaler first so it does not replace replicas being stopped; broker last so the loader can drain
-    order = {"autoscaler": -1, "admin-ui": 0, "metrics-scraper": 0, "router": 1, "usage-loader": 3, "kafka": 4}
-    for info in sorted(processes.running(settings), key=lambda p: order.get(p["name"], 2)):
+    order = {"autoscaler": -1, "admin-ui": 0, "metrics-scraper": 0, "usage-loader": 3, "kafka": 4}
+    rank = lambda p: 1 if p.get("kind") == "router" else order.get(p["name"], 2)  # noqa: E731
+    for info in sorted(processes.running(settings), key=rank):
         if info.get("kind") == "replica":
             stop_replica(settings, info["replica_id"])
         else:

@@ -7,6 +7,11 @@ row: that write takes the row lock on PostgreSQL (the database write lock on SQL
 caller are serialised across routers and the check "used + reserved + asked <= quota and leases < cap"
 cannot be raced. Settling deletes the lease and adds what the request really used. A router renews its
 leases every few seconds; one that dies stops renewing, and its leases lapse after `LEASE_TTL_S`.
+
+The same transaction checks the caller's shared request and token rates (registry/rate_limits.py, under the
+caller's row lock) and its team's budget (registry/budgets.py: the team-period `budget_spend` row is locked after
+every caller row, teams in name order, so the lock order is total and batches of several routers cannot wait on
+each other in a cycle): spent + live reservations + this request's worst case must stay within the amount.
 """
 from __future__ import annotations
 
@@ -14,20 +19,41 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import case, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from registry import budgets, rate_limits
 from registry.schema import InflightLease, QuotaUsage
 
-LEASE_TTL_S = 60.0
+# A dead router's leases (tokens, concurrency slot, budget reservation) lapse this long after its last renewal
+# (routers renew every LEASE_TTL_S / 4).
+LEASE_TTL_S = 20.0
 
 
 class QuotaRefused(Exception):
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, retry_ms: int | None = None) -> None:
         super().__init__(message)
-        self.kind, self.message = kind, message  # kind: "quota" or "concurrency"
+        # kind: "quota", "concurrency", "rate" or "budget"; retry_ms: when a retry may pass (None: the caller's)
+        self.kind, self.message, self.retry_ms = kind, message, retry_ms
+
+
+@dataclass(frozen=True)
+class BudgetAsk:
+    """A request's claim on its team's budget: the budget as the router read it and the request's worst case."""
+    period: str            # period key, e.g. '2026-12'
+    period_kind: str       # month | day
+    amount: float
+    unit: str              # money | tokens
+    soft_share: float
+    enforce: bool
+    cost: float            # worst case (prompt + max_tokens priced) in `unit`
+
+
+@dataclass(frozen=True)
+class Admitted:
+    warning: str | None = None  # the team passed its budget's soft share
 
 
 def _lock_usage_row(session: Session, caller: str, day: str) -> int:
@@ -40,6 +66,14 @@ def _lock_usage_row(session: Session, caller: str, day: str) -> int:
                                                                    QuotaUsage.day == day)) or 0)
 
 
+def _live(session: Session, caller: str, day: str, now: float) -> tuple[int, int]:
+    """(leases in flight, tokens they reserve today) of a caller, in one query (it runs for every admission)."""
+    today = case((InflightLease.day == day, InflightLease.reserved_tokens), else_=0)
+    row = session.execute(select(func.count(), func.coalesce(func.sum(today), 0))
+                          .where(InflightLease.caller == caller, InflightLease.expires_at > now)).one()
+    return int(row[0] or 0), int(row[1] or 0)
+
+
 @dataclass(frozen=True)
 class LeaseRequest:
     lease_id: str
@@ -47,65 +81,123 @@ class LeaseRequest:
     tokens: int            # reservation: prompt + max_tokens
     quota: int             # the caller's tokens per day
     max_concurrent: int    # 0 = no cap
+    team: str = ""
+    requests_per_s: float = 0.0   # shared limits (0 = none)
+    tokens_per_minute: int = 0
+    budget: BudgetAsk | None = None
 
 
 def admit_many(session: Session, requests: Sequence[LeaseRequest], *, day: str, router_id: str,
-               now: float | None = None) -> list[QuotaRefused | None]:
-    """Take a lease for each request, in order, in the session's transaction: None where taken, the
+               now: float | None = None) -> list[QuotaRefused | Admitted]:
+    """Take a lease for each request, in order, in the session's transaction: Admitted where taken, the
     QuotaRefused where not (a refusal writes nothing of its own; the others in the batch still commit).
-    Each caller's row is locked once and callers in name order, so batches never wait on each other in a
-    cycle; a caller's later requests see its earlier ones' leases."""
+    Each caller's row is locked once, callers in name order, then each budgeted team's spend row, teams in
+    name order, so batches never wait on each other in a cycle; later requests see earlier ones' leases."""
     now = time.time() if now is None else now
-    out: list[QuotaRefused | None] = [None] * len(requests)
+    out: list[QuotaRefused | Admitted] = [Admitted()] * len(requests)
     by_caller: dict[str, list[int]] = {}
     for i, r in enumerate(requests):
         by_caller.setdefault(r.caller, []).append(i)
+    state: dict[str, list] = {}
     for caller in sorted(by_caller):
         used = _lock_usage_row(session, caller, day)
-        live = (InflightLease.caller == caller, InflightLease.expires_at > now)
-        count = session.scalar(select(func.count()).select_from(InflightLease).where(*live)) or 0
-        reserved = int(session.scalar(select(func.coalesce(func.sum(InflightLease.reserved_tokens), 0))
-                                      .where(*live, InflightLease.day == day)) or 0)
-        for i in by_caller[caller]:
-            r = requests[i]
-            if r.max_concurrent and count >= r.max_concurrent:
-                out[i] = QuotaRefused("concurrency", f"concurrency: caller {caller!r} has {count} requests in "
-                                                     f"flight; its cap is {r.max_concurrent}")
-            elif used + reserved + r.tokens > r.quota:
-                out[i] = QuotaRefused("quota", f"token quota: caller {caller!r} has used {used + reserved} of "
-                                               f"{r.quota} tokens today (UTC); this request needs up to {r.tokens} "
-                                               f"(prompt + max_tokens)")
-            else:
-                count, reserved = count + 1, reserved + r.tokens
-                session.add(InflightLease(lease_id=r.lease_id, caller=caller, day=day, router_id=router_id,
-                                          reserved_tokens=r.tokens, expires_at=now + LEASE_TTL_S))
+        count, reserved = _live(session, caller, day, now)
+        rates = (rate_limits.row_for(session, caller)
+                 if any(requests[i].requests_per_s or requests[i].tokens_per_minute for i in by_caller[caller]) else None)
+        state[caller] = [used, count, reserved, rates]
+    teams: dict[tuple[str, str], float] = {}  # (team, period) -> spent + reserved
+    for team, period in sorted({(r.team, r.budget.period) for r in requests if r.budget is not None}):
+        teams[team, period] = budgets.lock_spend(session, team, period) + budgets.reserved(session, team, period, now)
+    for i, r in enumerate(requests):
+        used, count, reserved, rates = state[r.caller]
+        b = r.budget
+        committed = teams.get((r.team, b.period), 0.0) if b is not None else 0.0
+        if r.max_concurrent and count >= r.max_concurrent:
+            out[i] = QuotaRefused("concurrency", f"concurrency: caller {r.caller!r} has {count} requests in "
+                                                 f"flight; its cap is {r.max_concurrent}")
+            continue
+        if used + reserved + r.tokens > r.quota:
+            out[i] = QuotaRefused("quota", f"token quota: caller {r.caller!r} has used {used + reserved} of "
+                                           f"{r.quota} tokens today (UTC); this request needs up to {r.tokens} "
+                                           f"(prompt + max_tokens)")
+            continue
+        if b is not None and b.enforce and committed + b.cost > b.amount:
+            out[i] = _budget_refusal(r.team, b, committed, now)
+            continue
+        if rates is not None:
+            refused = rate_limits.take(rates, now, r.requests_per_s, r.tokens_per_minute, r.tokens)
+            if refused is not None:
+                out[i] = QuotaRefused("rate", refused.message, refused.retry_ms)
+                continue
+        state[r.caller][1:3] = [count + 1, reserved + r.tokens]
+        warning = None
+        if b is not None:
+            teams[r.team, b.period] = committed + b.cost
+            if committed + b.cost >= b.soft_share * b.amount:
+                warning = (f"team {r.team!r} has used or reserved {_amount(committed + b.cost, b.unit)} of its "
+                           f"{_ADJECTIVE[b.period_kind]} budget of {_amount(b.amount, b.unit)} ({b.period}; resets "
+                           f"{budgets.resets_at(b.period_kind, now).isoformat()})")
+        out[i] = Admitted(warning)
+        session.add(InflightLease(lease_id=r.lease_id, caller=r.caller, day=day, router_id=router_id,
+                                  reserved_tokens=r.tokens, expires_at=now + LEASE_TTL_S, team=r.team,
+                                  budget_period=b.period if b is not None else "",
+                                  budget_reserved=b.cost if b is not None else 0.0,
+                                  tpm_minute=int(now // rate_limits.MINUTE_S) if rates is not None else 0))
     return out
+
+
+_ADJECTIVE = {"month": "monthly", "day": "daily"}
+
+
+def _amount(value: float, unit: str) -> str:
+    return f"{value:,.0f} tokens" if unit == "tokens" else f"{value:,.6f}"
+
+
+def _budget_refusal(team: str, b: BudgetAsk, committed: float, now: float) -> QuotaRefused:
+    reset = budgets.resets_at(b.period_kind, now)
+    return QuotaRefused("budget", f"budget exhausted: team {team!r} has used or reserved {_amount(committed, b.unit)} "
+                                  f"of its {_ADJECTIVE[b.period_kind]} budget of {_amount(b.amount, b.unit)} ({b.unit}) for "
+                                  f"{b.period}; this request needs up to {_amount(b.cost, b.unit)}; the budget "
+                                  f"resets at {reset.isoformat()}", max(1000, int((reset.timestamp() - now) * 1000)))
 
 
 def admit(session: Session, *, lease_id: str, caller: str, day: str, router_id: str, tokens: int, quota: int,
           max_concurrent: int, now: float | None = None) -> None:
     """Take a lease for one request, or raise QuotaRefused."""
-    refused = admit_many(session, [LeaseRequest(lease_id, caller, tokens, quota, max_concurrent)], day=day,
-                         router_id=router_id, now=now)[0]
-    if refused is not None:
-        raise refused
+    result = admit_many(session, [LeaseRequest(lease_id, caller, tokens, quota, max_concurrent)], day=day,
+                        router_id=router_id, now=now)[0]
+    if isinstance(result, QuotaRefused):
+        raise result
 
 
-def settle_many(session: Session, used: Sequence[tuple[str, int]]) -> None:
-    """End leases (lease id, tokens the request really used) and count those tokens on each lease's day
-    (idempotent: a lease already gone is skipped). Callers' rows are locked in name order, as admit_many."""
+def settle_many(session: Session, used: Sequence[tuple]) -> None:
+    """End leases (lease id, tokens the request really used[, what it cost in its team budget's unit]) and count
+    those tokens on each lease's day, the cost on its budget period, and give back the token-rate reservation
+    it did not use (idempotent: a lease already gone is skipped). Rows are locked in admit_many's order."""
     leases = {lease.lease_id: lease for lease in
-              session.scalars(select(InflightLease).where(InflightLease.lease_id.in_([lid for lid, _ in used])))}
+              session.scalars(select(InflightLease).where(InflightLease.lease_id.in_([u[0] for u in used])))}
     totals: dict[tuple[str, str], int] = {}
-    for lease_id, actual in used:
+    unused: dict[str, list[tuple[int, int]]] = {}
+    spend: dict[tuple[str, str], float] = {}
+    for lease_id, actual, *cost in used:
         lease = leases.get(lease_id)
-        if lease is not None:
-            key = (lease.caller, lease.day)
-            totals[key] = totals.get(key, 0) + actual
+        if lease is None:
+            continue
+        key = (lease.caller, lease.day)
+        totals[key] = totals.get(key, 0) + actual
+        if lease.tpm_minute:
+            unused.setdefault(lease.caller, []).append((int(lease.tpm_minute), int(lease.reserved_tokens) - actual))
+        if lease.budget_period:
+            spend[lease.team, lease.budget_period] = spend.get((lease.team, lease.budget_period), 0.0) + (
+                cost[0] if cost else 0.0)
     for caller, day in sorted(totals):
         _lock_usage_row(session, caller, day)
         session.execute(update(QuotaUsage).where(QuotaUsage.caller == caller, QuotaUsage.day == day)
                         .values(used_tokens=QuotaUsage.used_tokens + totals[caller, day]))
+        for minute, tokens in unused.get(caller, ()):
+            rate_limits.give_back(rate_limits.row_for(session, caller), minute, tokens)
+    for (team, period), amount in sorted(spend.items()):
+        budgets.add_spend(session, team, period, amount)
     if leases:
         session.execute(delete(InflightLease).where(InflightLease.lease_id.in_(list(leases))))
 
@@ -126,8 +218,5 @@ def renew(session: Session, router_id: str, now: float | None = None) -> None:
 def usage(session: Session, caller: str, day: str, now: float | None = None) -> dict:
     now = time.time() if now is None else now
     used = session.scalar(select(QuotaUsage.used_tokens).where(QuotaUsage.caller == caller, QuotaUsage.day == day))
-    live = (InflightLease.caller == caller, InflightLease.expires_at > now)
-    reserved = session.scalar(select(func.coalesce(func.sum(InflightLease.reserved_tokens), 0))
-                              .where(*live, InflightLease.day == day))
-    inflight = session.scalar(select(func.count()).select_from(InflightLease).where(*live))
-    return {"day": day, "used": int(used or 0), "reserved": int(reserved or 0), "inflight": int(inflight or 0)}
+    inflight, reserved = _live(session, caller, day, now)
+    return {"day": day, "used": int(used or 0), "reserved": reserved, "inflight": inflight}

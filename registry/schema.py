@@ -72,6 +72,7 @@ class Team(Base):
     __tablename__ = "teams"
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     cost_center: Mapped[str] = mapped_column(String(64), default="")
+    fair_weight: Mapped[float] = mapped_column(Float, default=1.0)  # share of a busy tier's tokens (fair queueing)
 
 
 class Caller(Base):
@@ -86,6 +87,8 @@ class Caller(Base):
     region: Mapped[str] = mapped_column(String(32), default="local")
     canary_access: Mapped[bool] = mapped_column(Boolean, default=False)  # may pin 0 % (staged) versions
     max_concurrent: Mapped[int] = mapped_column(Integer, default=256)  # streams in flight, all routers (0 = no cap)
+    requests_per_s: Mapped[float] = mapped_column(Float, default=0.0)  # shared by every router (0 = no limit)
+    tokens_per_minute: Mapped[int] = mapped_column(BigInteger, default=0)  # prompt + max_tokens, all routers (0 = none)
 
 
 class AdminToken(Base):
@@ -116,6 +119,32 @@ class InflightLease(Base):
     router_id: Mapped[str] = mapped_column(String(128), index=True)
     reserved_tokens: Mapped[int] = mapped_column(BigInteger)
     expires_at: Mapped[float] = mapped_column(Float)  # unix seconds
+    team: Mapped[str] = mapped_column(String(128), default="")
+    budget_period: Mapped[str] = mapped_column(String(10), default="")  # '' = its team had no budget
+    budget_reserved: Mapped[float] = mapped_column(Float, default=0.0)  # worst case in the budget's unit
+    tpm_minute: Mapped[int] = mapped_column(BigInteger, default=0)  # unix minute its tokens were counted in
+
+
+class CallerRate(Base):
+    """Sliding-window counters of a caller's request rate (1 s windows) and token rate (1 min windows), shared by
+    every router; written only under the caller's quota_usage row lock (registry/rate_limits.py)."""
+    __tablename__ = "caller_rates"
+    caller: Mapped[str] = mapped_column(String(128), primary_key=True)
+    sec_start: Mapped[int] = mapped_column(BigInteger, default=0)
+    sec_count: Mapped[int] = mapped_column(Integer, default=0)
+    sec_prev: Mapped[int] = mapped_column(Integer, default=0)
+    min_start: Mapped[int] = mapped_column(BigInteger, default=0)
+    min_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    min_prev: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class BudgetSpend(Base):
+    """What a team's settled requests cost in one budget period (money or tokens, the budget's unit), shared by
+    every router; reservations of requests in flight are their leases' `budget_reserved`."""
+    __tablename__ = "budget_spend"
+    team: Mapped[str] = mapped_column(String(128), primary_key=True)
+    period: Mapped[str] = mapped_column(String(10), primary_key=True)  # '2026-12' (month) or '2026-12-04' (day)
+    spent: Mapped[float] = mapped_column(Float, default=0.0)
 
 
 class WarmBuffer(Base):
@@ -161,8 +190,12 @@ class TeamBudget(Base):
     """A team's monthly budget in the platform currency (FLEET_CURRENCY), set by operators via the admin API."""
     __tablename__ = "team_budgets"
     team: Mapped[str] = mapped_column(String(128), ForeignKey("teams.name"), primary_key=True)
-    monthly_amount: Mapped[float] = mapped_column(Float)
+    monthly_amount: Mapped[float] = mapped_column(Float)  # the amount per `period` (named when periods were months)
     currency: Mapped[str] = mapped_column(String(8))
+    period: Mapped[str] = mapped_column(String(8), default="month")  # month | day (UTC)
+    unit: Mapped[str] = mapped_column(String(8), default="money")  # money (priced by chargeback's rates) | tokens
+    soft_share: Mapped[float] = mapped_column(Float, default=0.8)  # warn callers from this share of the amount
+    enforce: Mapped[bool] = mapped_column(Boolean, default=True)  # refuse new requests at 100 % (hard limit)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_by: Mapped[str] = mapped_column(String(128), default="")
 

@@ -1,9 +1,14 @@
-"""Run the router: `python -m router_service` (KServe gRPC + OpenAI/admin HTTP in one asyncio process)."""
+"""Run the router: `python -m router_service` (KServe gRPC + OpenAI/admin HTTP in one asyncio process).
+
+Several routers on one host (`fleet up --routers N`, FLEET_ROUTERS=N) share the callers' HTTP and gRPC ports
+through SO_REUSEPORT (the kernel spreads connections over them); router `--index i` has its own internal
+listener (port + i: replica reports, its own /metrics) and its own usage spool."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import signal
+import socket
 
 import uvicorn
 
@@ -11,6 +16,7 @@ from common import tracing
 from common.logs import setup_logging
 from common.report_channel import load_report_secret
 from common.settings import Settings, load_from_env, load_settings
+from router_service.budgets import PriceBook
 from router_service.core import Router
 from router_service.grpc_frontend import start_grpc_server
 from router_service.http_frontend import create_app
@@ -30,8 +36,10 @@ def parse_args(s: Settings, rs: RouterSettings) -> argparse.Namespace:
     ap.add_argument("--internal-host", default=s.router_internal_host,
                     help="address of the internal listener for replica state reports; loopback by default, the pod "
                          "address behind a NetworkPolicy in Kubernetes (FLEET_ROUTER_INTERNAL_HOST)")
-    ap.add_argument("--internal-port", type=int, default=s.router_internal_port,
-                    help="port of the internal listener (FLEET_ROUTER_INTERNAL_PORT)")
+    ap.add_argument("--index", type=int, default=0, choices=range(s.routers), metavar=f"0..{s.routers - 1}",
+                    help="this router's place among the FLEET_ROUTERS routers sharing the callers' ports")
+    ap.add_argument("--internal-port", type=int, default=None,
+                    help="port of the internal listener (default FLEET_ROUTER_INTERNAL_PORT + index)")
     ap.add_argument("--db-url", default=s.db_url, help="registry database URL (FLEET_DB_URL)")
     ap.add_argument("--kafka", default=s.kafka_bootstrap, help="Kafka bootstrap servers for usage events")
     ap.add_argument("--max-waiting", type=int, default=rs.max_waiting,
@@ -41,7 +49,22 @@ def parse_args(s: Settings, rs: RouterSettings) -> argparse.Namespace:
                          "a replica row still `starting` after this many seconds no longer counts "
                          "(FLEET_ROUTER_START_WAIT_S)")
     ap.add_argument("--no-usage", action="store_true", help="do not meter usage (benchmarks only)")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.internal_port is None:
+        args.internal_port = s.router_internal_port + args.index
+    return args
+
+
+def shared_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """The callers' HTTP socket; with `reuse_port`, other routers bind the same port (SO_REUSEPORT)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
 
 
 def register_env_admin_tokens(settings: Settings, db_url: str) -> None:
@@ -61,12 +84,14 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
         "fleet.region": settings.region})
     register_env_admin_tokens(settings, args.db_url)
     registry = RegistryCache(args.db_url)
-    producer = None if args.no_usage else UsageProducer(args.kafka, settings.spool_dir / "router", settings.usage_topic)
+    spool = settings.spool_dir / ("router" if args.index == 0 else f"router-{args.index}")  # kept across restarts
+    producer = None if args.no_usage else UsageProducer(args.kafka, spool, settings.usage_topic)
     if producer is not None:
         producer.start()
     router = Router(registry, producer, region=settings.region, choice=rs.choice_params(), gateway=rs.gateway(),
                     max_waiting=args.max_waiting, batch_yield=rs.batch_yielder(), start_wait_s=args.start_wait_s,
                     timeouts=rs.stream_timeouts())
+    router.quotas.prices = PriceBook(settings.usage_db_path)  # chargeback's prices, for budgets in money
     grpc_server = await start_grpc_server(router, args.host, args.grpc_port)
     config = uvicorn.Config(create_app(router), host=args.host, port=args.http_port,
                             log_level="warning", lifespan="off")
@@ -83,11 +108,13 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
     watcher = asyncio.create_task(registry.watch())
     renewer = asyncio.create_task(router.quotas.renew_forever())
     warm = asyncio.create_task(asyncio.to_thread(router.warm_tokenizers))  # noqa: F841 (runs in the background)
-    http_task = asyncio.create_task(http_server.serve())
+    http_task = asyncio.create_task(http_server.serve(
+        sockets=[shared_socket(args.host, args.http_port, settings.routers > 1)]))
+    prices = asyncio.create_task(router.quotas.prices.refresh_forever())
     internal_task = asyncio.create_task(internal_server.serve())
-    log.info("router serving gRPC on %s:%d, HTTP on %s:%d, internal reports on %s:%d (registry version %d)",
-             args.host, args.grpc_port, args.host, args.http_port, args.internal_host, args.internal_port,
-             registry.snapshot.version)
+    log.info("router %d of %d serving gRPC on %s:%d, HTTP on %s:%d, internal reports on %s:%d (registry version %d)",
+             args.index, settings.routers, args.host, args.grpc_port, args.host, args.http_port, args.internal_host,
+             args.internal_port, registry.snapshot.version)
     await stop.wait()
     log.info("router stopping")
     http_server.should_exit = internal_server.should_exit = True
@@ -96,6 +123,7 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
     await internal_task
     watcher.cancel()
     renewer.cancel()
+    prices.cancel()
     await router.close()
     if producer is not None:
         producer.close()

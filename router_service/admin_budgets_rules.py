@@ -1,8 +1,14 @@
 """Admin endpoints for team budgets and automatic rollback rules (registered by admin_api.admin_router).
 
-- GET  /admin/budgets                       viewer: every team's monthly budget
-- PUT  /admin/budgets/{team}                operator: {monthly_amount} in the platform currency (audited)
+- GET  /admin/budgets                       viewer: every team's budget with the routers' spend and reservations
+                                            in its current period
+- PUT  /admin/budgets/{team}                operator: {monthly_amount, period, unit, soft_share, enforce}: the
+                                            amount per period (month|day) in the platform currency or tokens
+                                            (audited)
 - DELETE /admin/budgets/{team}              operator (audited)
+- PUT  /admin/callers/{name}/limits         operator: {requests_per_s, tokens_per_minute}, shared by every
+                                            router, 0 = none (audited)
+- PUT  /admin/teams/{team}/weight           operator: {weight}, the team's fair share in a busy tier (audited)
 - GET  /admin/rollback-rules                viewer
 - PUT  /admin/rollback-rules/{model}/{version}  operator: {max_error_rate, max_ttft_ms_p95, minutes, armed}
 
@@ -12,19 +18,35 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.settings import load_settings
-from registry import budgets, rollback_rules
+from registry import budgets, caller_limits, rollback_rules
 from registry.db import session_scope
 from router_service.errors import RouterError
 
 
 class BudgetBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    monthly_amount: float = Field(ge=0, le=budgets.MAX_MONTHLY_AMOUNT, allow_inf_nan=False)
+    monthly_amount: float = Field(ge=0, le=budgets.MAX_MONTHLY_AMOUNT, allow_inf_nan=False)  # per `period`
+    period: Literal["month", "day"] = "month"
+    unit: Literal["money", "tokens"] = "money"
+    soft_share: float = Field(default=0.8, gt=0, le=1)
+    enforce: bool = True
+
+
+class LimitsBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    requests_per_s: float = Field(default=0.0, ge=0, le=caller_limits.MAX_REQUESTS_PER_S, allow_inf_nan=False)
+    tokens_per_minute: int = Field(default=0, ge=0, le=caller_limits.MAX_TOKENS_PER_MINUTE)
+
+
+class WeightBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    weight: float = Field(ge=caller_limits.WEIGHT_RANGE[0], le=caller_limits.WEIGHT_RANGE[1], allow_inf_nan=False)
 
 
 class RuleBody(BaseModel):
@@ -49,15 +71,28 @@ def register_budget_and_rule_routes(api: APIRouter, role_of: Callable[[Request, 
     @api.get("/budgets")
     async def list_budgets(request: Request):
         role_of(request, "viewer")
-        rows = await read(lambda s: [{"team": b.team, "monthly_amount": b.monthly_amount, "currency": b.currency,
-                                      "updated_at": b.updated_at.isoformat(), "updated_by": b.updated_by}
-                                     for b in budgets.list_budgets(s)])
-        return {"currency": currency, "budgets": rows}
+        def rows(s):
+            spend = budgets.spend_rows(s)
+            return [{"team": b.team, **budgets.budget_dict(b), "updated_at": b.updated_at.isoformat(),
+                     "updated_by": b.updated_by, **spend.get(b.team, {})} for b in budgets.list_budgets(s)]
+        return {"currency": currency, "budgets": await read(rows)}
 
     @api.put("/budgets/{team}")
     async def put_budget(team: str, body: BudgetBody, request: Request):
         actor = role_of(request, "operator")
-        return await write(lambda s: budgets.set_budget(s, team, body.monthly_amount, currency, actor=actor))
+        return await write(lambda s: budgets.set_budget(s, team, body.monthly_amount, currency, actor=actor,
+                                                        period=body.period, unit=body.unit,
+                                                        soft_share=body.soft_share, enforce=body.enforce))
+
+    @api.put("/callers/{name}/limits")
+    async def put_limits(name: str, body: LimitsBody, request: Request):
+        actor = role_of(request, "operator")
+        return await write(lambda s: caller_limits.set_caller_limits(s, name, actor=actor, **body.model_dump()))
+
+    @api.put("/teams/{team}/weight")
+    async def put_weight(team: str, body: WeightBody, request: Request):
+        actor = role_of(request, "operator")
+        return await write(lambda s: caller_limits.set_team_weight(s, team, body.weight, actor=actor))
 
     @api.delete("/budgets/{team}")
     async def delete_budget(team: str, request: Request):

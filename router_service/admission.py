@@ -1,5 +1,6 @@
-"""Admission queue per model version: priority, then deadline, then arrival order; bounded; sheds
-batch then standard work first when full.
+"""Admission queue per model version: priority, then deadline, then the team's fair share (token-weighted
+fair queueing, router_service/fair_queue.py), then arrival order; bounded; sheds batch then standard work
+first when full.
 
 A request first tries to get a replica slot at once (`try_place`, which reserves the slot without
 awaiting). If none has room, it waits as a `Ticket`. Whenever a slot frees (`pump`), waiting tickets
@@ -24,6 +25,7 @@ from typing import Generic, TypeVar
 
 from router_service import metrics
 from router_service.errors import RouterError
+from router_service.fair_queue import FairShare, VirtualClock
 from router_service.request import TIER_INDEX, TIERS
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class Ticket(Generic[T]):
     try_place: Callable[[], T | None] = field(compare=False, repr=False)
     future: asyncio.Future = field(compare=False, repr=False)
     request_id: str = field(compare=False, default="")
+    start_tag: float = field(compare=False, default=0.0)  # fair-queueing start tag (VirtualClock)
 
 
 class AdmissionQueue:
@@ -49,20 +52,23 @@ class AdmissionQueue:
         self.waiting: list[Ticket] = []
         self.service_s = 2.0  # moving average of time a slot is held, for retry-after estimates
         self.slots_hint = 1   # recent number of concurrent slots, for retry-after estimates
+        self.clock = VirtualClock()
 
     # --- public ------------------------------------------------------------------------------------
     async def admit(self, tier: str, deadline_ms: int | None, try_place: Callable[[], T | None],
                     release: Callable[[T], None], request_id: str = "",
-                    cancelled: Callable[[], bool] = lambda: False) -> T:
+                    cancelled: Callable[[], bool] = lambda: False, share: FairShare = FairShare()) -> T:
         """Return a placement (slot reserved) or raise RESOURCE_EXHAUSTED / DEADLINE_EXCEEDED."""
         started = time.monotonic()
+        start_tag, finish_tag = self.clock.tag(share)
         if not self._higher_waiting(tier):
             placed = try_place()
             if placed is not None:
+                self.clock.served(start_tag)
                 metrics.QUEUE_WAIT.labels(self.model, tier).observe(0.0)
                 return placed
-        ticket = Ticket((TIER_INDEX[tier], deadline_ms or math.inf, next(_seq)), tier, try_place,
-                        asyncio.get_running_loop().create_future(), request_id)
+        ticket = Ticket((TIER_INDEX[tier], deadline_ms or math.inf, finish_tag, next(_seq)), tier, try_place,
+                        asyncio.get_running_loop().create_future(), request_id, start_tag)
         self._enqueue(ticket)
         self.pump()
         try:
@@ -114,6 +120,7 @@ class AdmissionQueue:
                 continue
             if placed is not None:
                 self._remove(ticket)
+                self.clock.served(ticket.start_tag)
                 ticket.future.set_result(placed)
                 placed_any = True
         if placed_any:
@@ -135,7 +142,7 @@ class AdmissionQueue:
 
     def _enqueue(self, ticket: Ticket) -> None:
         if len(self.waiting) >= self.max_waiting:
-            victim = max(self.waiting, key=lambda t: (t.key[0], t.key[1], t.key[2]))
+            victim = max(self.waiting, key=lambda t: t.key)  # latest deadline, then the largest fair-share tag
             retry = self.retry_after_ms()
             if victim.key[0] > ticket.key[0]:
                 self._remove(victim)

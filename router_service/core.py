@@ -20,6 +20,7 @@ from router_service.admission import AdmissionQueue
 from router_service.batch_yield import BatchYield
 from router_service.cancellation import CancelHandle, InflightRequests
 from router_service.errors import RouterError
+from router_service.fair_queue import FairShare
 from router_service.gateway import Gateway, QuotaLedger
 from router_service.regions import candidate_tiers, home_region
 from router_service.registry_cache import CallerInfo, ModelInfo, RegistryCache, ReplicaInfo
@@ -100,8 +101,9 @@ class Router:
             p = Prepared(req, caller, model, list(req.prompt_ids), arrived=arrived,
                          home=home_region(caller.region, self.region))
             p.quota_reserved = len(p.prompt_ids) + req.max_tokens
-            await self.quotas.reserve(req.request_id, caller.name, caller.token_quota_per_day, p.quota_reserved,
-                                      caller.max_concurrent)
+            p.budget_warning = await self.quotas.admit_caller(caller, self.registry.snapshot.budgets.get(caller.team),
+                                                              req.request_id, model.name, len(p.prompt_ids),
+                                                              req.max_tokens)
         except RouterError as exc:
             metrics.REJECTED.labels(exc.code).inc()
             tracing.refused(exc.code)
@@ -186,8 +188,9 @@ class Router:
         if req.tier == "interactive":
             self.batch_yield.interactive_arrived(key)
         with tracing.admission_span(req.tier) as span:
-            placement = await self.queue_for(p.model).admit(req.tier, req.deadline_ms, try_place, self._release_slot,
-                                                            req.request_id, cancelled)
+            placement = await self.queue_for(p.model).admit(
+                req.tier, req.deadline_ms, try_place, self._release_slot, req.request_id, cancelled,
+                FairShare(p.caller.team, p.caller.team_weight, len(ids) + max_tokens))
             tracing.placed(span, placement)
         return placement
 
@@ -357,7 +360,8 @@ class Router:
                 self.requests.unregister(p.handle)
             account(self.usage, p, finish, status, len(emitted), first_token_at, replica_id, ledger)
             # shielded: a second cancellation while it is written does not leave the lease unsettled
-            await asyncio.shield(self.quotas.settle_off_loop(p.req.request_id, len(p.prompt_ids) + len(emitted)))
+            await asyncio.shield(self.quotas.settle_request(p.req.request_id, len(p.prompt_ids), cached_tokens,
+                                                            len(emitted)))
 
     async def _decode_text_here(self, p: Prepared, text: StreamText, emitted: list[int]) -> None:
         """From here on the router decodes the stream's text itself (see StreamText)."""

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from registry import quotas
 from registry.db import session_scope
 
+from router_service.budgets import PriceBook, ask, settled_cost
 from router_service.errors import RouterError
 from router_service.group_commit import GroupCommit
+from router_service.registry_cache import BudgetInfo, CallerInfo
 
 log = logging.getLogger(__name__)
 DEFAULT_RATE_PER_S = 200.0  # requests per second per caller (token bucket refill)
@@ -49,6 +51,9 @@ class _Bucket:
 
 
 class Gateway:
+    """The per-router flood guard (FLEET_ROUTER_RATE_LIMIT_RPS): it bounds what one caller can make one router
+    do before the shared check; a caller's own limits are the shared ones (QuotaLedger.admit_caller)."""
+
     def __init__(self, rate_per_s: float = DEFAULT_RATE_PER_S, burst: float = DEFAULT_BURST) -> None:
         self.rate_per_s = rate_per_s
         self.burst = burst
@@ -72,10 +77,12 @@ class Gateway:
 class QuotaLedger:
     """The router's handle on the shared quota and concurrency rows (registry/quotas.py)."""
 
-    def __init__(self, db_url: str, router_id: str | None = None) -> None:
+    def __init__(self, db_url: str, router_id: str | None = None, prices: PriceBook | None = None) -> None:
         self.db_url = db_url
         self.router_id = router_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.prices = prices or PriceBook()
         self.leases: dict[str, str] = {}  # lease id -> caller, for the leases this router holds
+        self.budgeted: dict[str, tuple[BudgetInfo, str]] = {}  # lease id -> (budget, model) it settles against
         # A router's quota writes take turns, each turn one transaction for every write queued by then
         # (GroupCommit). On SQLite (one writer at a time) a writer that finds the file locked sleeps in SQLite's
         # busy handler (steps of 1-100 ms): 32 requests arriving together spent 141 ms each in dispatch on
@@ -83,7 +90,7 @@ class QuotaLedger:
         # renewals (which lock the same lease rows) from deadlocking.
         self._turn = threading.Lock()
         self._admissions: GroupCommit[quotas.LeaseRequest] = GroupCommit(self._admit_batch)
-        self._settles: GroupCommit[tuple[str, int]] = GroupCommit(self._settle_batch)
+        self._settles: GroupCommit[tuple[str, int, float]] = GroupCommit(self._settle_batch)
 
     def _admit_batch(self, items: Sequence[quotas.LeaseRequest]) -> list[object]:
         """Admit leases queued together in one transaction (GroupCommit, quotas.admit_many): None for each
@@ -91,46 +98,68 @@ class QuotaLedger:
         with self._turn, session_scope(self.db_url) as s:
             refusals = quotas.admit_many(s, items, day=_today(), router_id=self.router_id)
         out: list[object] = []
-        for item, refused in zip(items, refusals):
-            if refused is None:
+        for item, result in zip(items, refusals):
+            if isinstance(result, quotas.Admitted):
                 self.leases[item.lease_id] = item.caller
-                out.append(None)
+                out.append(result.warning)
             else:
-                retry = _ms_to_midnight() if refused.kind == "quota" else 1000
-                out.append(RouterError("resource_exhausted", refused.message, retry))
+                retry = result.retry_ms or (_ms_to_midnight() if result.kind == "quota" else 1000)
+                out.append(RouterError("resource_exhausted", result.message, retry))
         return out
 
-    async def reserve(self, lease_id: str, caller: str, quota: int, tokens: int, max_concurrent: int) -> None:
-        """Take a lease (tokens + one concurrency slot) or raise RESOURCE_EXHAUSTED. Leases asked for together
-        are written in one transaction (GroupCommit)."""
-        admitted = self._admissions.submit(quotas.LeaseRequest(lease_id, caller, tokens, quota, max_concurrent))
+    async def reserve(self, lease_id: str, caller: str, quota: int, tokens: int, max_concurrent: int,
+                      **shared: object) -> str | None:
+        """Take a lease (tokens + one concurrency slot, and what `shared` asks: team, requests_per_s,
+        tokens_per_minute, budget) or raise RESOURCE_EXHAUSTED; returns a budget warning (soft limit) or None.
+        Leases asked for together are written in one transaction (GroupCommit)."""
+        admitted = self._admissions.submit(quotas.LeaseRequest(lease_id, caller, tokens, quota, max_concurrent,
+                                                               **shared))
         try:
-            await asyncio.shield(admitted)
+            return await asyncio.shield(admitted)
         except asyncio.CancelledError:  # the caller left while the lease was being taken: give it back
             admitted.add_done_callback(lambda f: f.cancelled() or f.exception() or self.settle(lease_id, 0))
             raise
 
-    def settle(self, lease_id: str, actual: int) -> None:
-        """Replace a lease's reservation by the tokens the request really used (idempotent; never raises)."""
-        self._settle_batch([(lease_id, actual)])
+    async def admit_caller(self, caller: CallerInfo, budget: BudgetInfo | None, lease_id: str, model: str,
+                           prompt_tokens: int, max_tokens: int) -> str | None:
+        """`reserve` with everything the caller's key and team ask of every router: quota, concurrency, request
+        and token rates, and the team budget's worst case (prompt + max_tokens priced)."""
+        claim = ask(budget, self.prices, model, prompt_tokens, max_tokens)
+        warning = await self.reserve(lease_id, caller.name, caller.token_quota_per_day, prompt_tokens + max_tokens,
+                                     caller.max_concurrent, team=caller.team, requests_per_s=caller.requests_per_s,
+                                     tokens_per_minute=caller.tokens_per_minute, budget=claim)
+        if budget is not None:
+            self.budgeted[lease_id] = (budget, model)
+        return warning
 
-    def _settle_batch(self, items: Sequence[tuple[str, int]]) -> list[object]:
-        mine = [(lease, actual) for lease, actual in items if self.leases.pop(lease, None) is not None]
+    async def settle_request(self, lease_id: str, prompt: int, cached: int, completion: int) -> None:
+        """Settle a request's lease to what it used: tokens, and its cost in the team budget's unit."""
+        budget, model = self.budgeted.pop(lease_id, (None, ""))
+        await self.settle_off_loop(lease_id, prompt + completion,
+                                   settled_cost(budget, self.prices, model, prompt, cached, completion))
+
+    def settle(self, lease_id: str, actual: int, cost: float = 0.0) -> None:
+        """Replace a lease's reservation by the tokens the request really used (idempotent; never raises)."""
+        self.budgeted.pop(lease_id, None)
+        self._settle_batch([(lease_id, actual, cost)])
+
+    def _settle_batch(self, items: Sequence[tuple[str, int, float]]) -> list[object]:
+        mine = [item for item in items if self.leases.pop(item[0], None) is not None]
         if mine:
             try:
                 with self._turn, session_scope(self.db_url) as s:
                     quotas.settle_many(s, mine)
             except Exception as exc:  # the leases lapse on their own; metering (usage events) is unaffected
-                log.warning("could not settle quota leases %s: %s", ", ".join(lease for lease, _ in mine), exc)
+                log.warning("could not settle quota leases %s: %s", ", ".join(item[0] for item in mine), exc)
         return [None] * len(items)
 
-    async def settle_off_loop(self, lease_id: str, actual: int) -> None:
+    async def settle_off_loop(self, lease_id: str, actual: int, cost: float = 0.0) -> None:
         """`settle`, its write on a worker thread, together with the other settles queued by then: a SQLite
         write of ~2.4 ms (more while admissions take their turns) at the end of every request held up every
         other stream's tokens on the event loop. The caller resumes once it is written, so a slot given back
         is free for the caller's next request, on any router."""
         if lease_id in self.leases:
-            await self._settles.submit((lease_id, actual))
+            await self._settles.submit((lease_id, actual, cost))
 
     def usage_today(self, caller: str) -> dict:
         with session_scope(self.db_url) as s:

@@ -14,15 +14,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from common.names import CLIENT_ID_RE, CLIENT_ID_RULE
 from router_service.admin_api import admin_router
+from router_service.budgets import warning_fields, warning_headers
 from router_service.core import Router
 from router_service.errors import RouterError
 from router_service.http_body import read_body
-from router_service.metrics import refresh_replica_gauges
+from router_service.metrics import prometheus_page
 from router_service.openai_schema import ChatBody, CompletionBody
 from router_service.request import TIERS, Finished, Prepared, TokenDelta
 from router_service.tracing import FASTAPI_TELEMETRY, TracingMiddleware
@@ -59,10 +59,7 @@ def create_app(router: Router) -> FastAPI:
     async def health():
         return {"status": "ok", "registry_version": router.registry.snapshot.version}
 
-    @app.get("/metrics")
-    async def prometheus():
-        refresh_replica_gauges(router)
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    app.add_api_route("/metrics", prometheus_page(router), methods=["GET"])
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -84,7 +81,8 @@ def create_app(router: Router) -> FastAPI:
         # a caller's x-request-id is its correlation id and comes back as sent; ours is x-fleet-request-id
         ids = {"x-request-id": req.client_id or req.request_id, "x-fleet-request-id": req.request_id}
         if body.stream:  # the background task frees the slot if the caller left before streaming began
-            return StreamingResponse(_sse(router, prepared, chat), media_type="text/event-stream", headers=ids,
+            return StreamingResponse(_sse(router, prepared, chat), media_type="text/event-stream",
+                                     headers={**ids, **warning_headers(prepared)},
                                      background=BackgroundTask(router.release_unstarted, prepared))
         try:
             items = await _collect_unless_disconnected(request, router.stream(prepared))
@@ -99,7 +97,7 @@ def create_app(router: Router) -> FastAPI:
         return JSONResponse({"id": prepared.req.request_id, "object": "chat.completion" if chat else "text_completion",
                              "created": int(time.time()), "model": prepared.model.name,
                              "system_fingerprint": prepared.model.version, "choices": [choice],
-                             "usage": _usage(final)}, headers=ids)
+                             "usage": _usage(final), **warning_fields(prepared)}, headers=ids)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -6,6 +6,9 @@ signature by the reporting replica's own key (common/report_channel.py). A repor
 when unsigned, signed by another key, stale, or from a replica the registry does not know; it is refused
 (400) when it does not fit the `ReplicaReport` schema. Reports feed routing hints only: they can never lift
 a cordon (see `Router.serving_replicas`).
+
+`GET /metrics` is this router's own Prometheus page (the same as on the callers' port): behind a port shared
+by several routers (SO_REUSEPORT) the metrics scraper reads each router here.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from router_service import metrics
 from router_service.core import Router
 from router_service.errors import RouterError
 from router_service.http_body import read_body
+from router_service.metrics import prometheus_page
 from router_service.tracing import FASTAPI_TELEMETRY
 from common.replica_report import ReplicaReport
 
@@ -65,5 +69,7 @@ def create_internal_app(router: Router, secret: bytes) -> FastAPI:
                                                    f"replica {replica_id!r}")
         router.replica_state.apply(report)
         return {"ok": True}
+
+    app.add_api_route("/metrics", prometheus_page(router), methods=["GET"])
 
     return app

@@ -2,7 +2,8 @@
 meaning) in docs/observability.md; alert and recording rules and dashboards (deploy/monitoring) query them."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 40, 60, 100, 200, 500)
@@ -87,3 +88,11 @@ USAGE_EMIT_ERRORS = Counter("fleet_router_usage_emit_errors_total", "Usage event
                             "(e.g. ENOSPC); their tokens stay in the in-flight ledger", ["error"])
 USAGE_LEDGER_FULL = Counter("fleet_router_usage_ledger_full_total", "Streams that found no free slot in the "
                             "in-flight usage ledger (billed only when they end)")
+
+
+def prometheus_page(router):
+    """The /metrics handler (callers' port and internal listener): replica gauges refreshed, then every metric."""
+    async def prometheus():
+        refresh_replica_gauges(router)
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    return prometheus

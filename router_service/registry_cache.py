@@ -12,6 +12,8 @@ from datetime import datetime, timezone
 
 from registry import queries
 from registry.admin_tokens import AdminIdentity, active_identities
+from registry.budgets import list_budgets
+from registry.caller_limits import list_teams
 from registry.db import session_scope
 from registry.warm_buffers import PoolSettings, managed_pools
 
@@ -38,6 +40,20 @@ class CallerInfo:
     region: str
     canary_access: bool = False  # may pin versions that take no traffic (staged canaries)
     max_concurrent: int = 0  # streams in flight at once across every router (0 = no cap)
+    requests_per_s: float = 0.0  # shared by every router (0 = no limit)
+    tokens_per_minute: int = 0  # prompt + max_tokens per minute, shared by every router (0 = no limit)
+    team_weight: float = 1.0  # the team's fair-queueing weight inside a tier
+
+
+@dataclass(frozen=True)
+class BudgetInfo:
+    """A team's budget as routers enforce it (registry/budgets.py)."""
+    team: str
+    amount: float
+    period: str  # month | day
+    unit: str  # money | tokens
+    soft_share: float
+    enforce: bool
 
 
 @dataclass(frozen=True)
@@ -72,6 +88,7 @@ class Snapshot:
     adapters: dict[str, AdapterInfo] = field(default_factory=dict)
     pools: dict[tuple[str, str], PoolSettings] = field(default_factory=dict)  # (model, version) -> scaling settings
     admin_tokens: tuple[AdminIdentity, ...] = ()
+    budgets: dict[str, BudgetInfo] = field(default_factory=dict)  # team -> budget
 
 
 def load_snapshot(db_url: str) -> Snapshot:
@@ -82,10 +99,15 @@ def load_snapshot(db_url: str) -> Snapshot:
             snap.models.setdefault(m.name, {})[m.version] = ModelInfo(m.name, m.version, m.status, m.max_context,
                                                                       m.weights_uri)
         snap.routes = queries.all_routes(s)
+        weights = {t.name: float(t.fair_weight or 1.0) for t in list_teams(s)}
         for c in queries.list_callers(s):
             snap.callers_by_hash[c.api_key_hash] = CallerInfo(
                 c.name, c.team, c.max_tier, c.token_quota_per_day, tuple(c.allowed_models or ()),
-                tuple(c.allowed_adapters or ()), c.region, bool(c.canary_access), int(c.max_concurrent or 0))
+                tuple(c.allowed_adapters or ()), c.region, bool(c.canary_access), int(c.max_concurrent or 0),
+                float(c.requests_per_s or 0.0), int(c.tokens_per_minute or 0), weights.get(c.team, 1.0))
+        snap.budgets = {b.team: BudgetInfo(b.team, float(b.monthly_amount), b.period or "month", b.unit or "money",
+                                           float(b.soft_share if b.soft_share is not None else 0.8), bool(b.enforce))
+                        for b in list_budgets(s)}
         snap.replicas = [ReplicaInfo(r.replica_id, r.model, r.version, r.region, r.grpc_url, r.http_url, r.state,
                                      _epoch(r.started_at), r.pid or 0) for r in queries.list_replicas(s)]
         snap.admin_tokens = active_identities(s)

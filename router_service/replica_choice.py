@@ -8,7 +8,8 @@ is skipped, even if it holds the prefix (consistent hashing with bounded loads, 
 
 `pick` is a pure function over `ReplicaView`s so the policy simulator in bench/router runs exactly the
 code the router runs. `ReplicaChooser` keeps the router's own view of each replica's load (tokens it sent
-and has not yet seen streamed back), which is fresher than the 200 ms reports.
+and has not yet seen streamed back), which is fresher than the 200 ms reports, and adds the streams other
+routers hold there (router_service/shared_load.py) to the concurrency cap and the load term.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from router_service.registry_cache import ReplicaInfo
 from router_service.replica_state import DEFAULT_BLOCK_SIZE, ReplicaStateTable
+from router_service.shared_load import SharedLoad
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class Placement:
     load: float
     cached_tokens: int
     policy: str  # "cost" or "round_robin"
+    shared_id: int = -1  # its entry in SharedLoad
 
 
 class ReplicaChooser:
@@ -99,10 +102,11 @@ class ReplicaChooser:
         self.inflight: dict[str, int] = {}
         self.batch_inflight: dict[str, int] = {}
         self.load: dict[str, float] = {}
+        self.shared = SharedLoad(states)
         self._rr = itertools.count()
 
     def has_room(self, replica_id: str, tier: str) -> bool:
-        n, cap = self.inflight.get(replica_id, 0), self.params.replica_concurrency
+        n, cap = self.inflight.get(replica_id, 0) + self.shared.others(replica_id), self.params.replica_concurrency
         if n >= cap:
             return False
         state = self.states.fresh(replica_id)
@@ -137,7 +141,7 @@ class ReplicaChooser:
         views = []
         for r in room:
             state = self.states.fresh(r.replica_id)
-            views.append(ReplicaView(r.replica_id, self.load.get(r.replica_id, 0.0),
+            views.append(ReplicaView(r.replica_id, self._load_all_routers(r.replica_id, prompt_len + max_tokens),
                                      self.states.cached_blocks(r.replica_id, hashes),
                                      not adapter or (state is not None and adapter in state.adapters)))
         if self.params.policy == "least_loaded":
@@ -149,6 +153,12 @@ class ReplicaChooser:
         cached = min(prompt_len, views[i].cached_blocks * block_size)
         return self._reserve(room[i], tier, prompt_len - cached + max_tokens, cached, "cost", hashes)
 
+    def _load_all_routers(self, replica_id: str, tokens_if_idle: float) -> float:
+        """This router's token load plus the other routers' streams there at this router's mean stream load."""
+        own, n = self.load.get(replica_id, 0.0), self.inflight.get(replica_id, 0)
+        others = self.shared.others(replica_id)
+        return own + others * (own / n if n else tokens_if_idle) if others else own
+
     def _reserve(self, replica: ReplicaInfo, tier: str, load: float, cached: int, policy: str,
                  hashes: list[int]) -> Placement:
         rid = replica.replica_id
@@ -157,7 +167,7 @@ class ReplicaChooser:
             self.batch_inflight[rid] = self.batch_inflight.get(rid, 0) + 1
         self.load[rid] = self.load.get(rid, 0.0) + load
         self.states.note_routed(rid, hashes)
-        return Placement(replica, tier, load, cached, policy)
+        return Placement(replica, tier, load, cached, policy, self.shared.opened(rid))
 
     def progress(self, placement: Placement, tokens: float) -> None:
         """The replica worked off `tokens` of this request's load (prefill done or tokens streamed)."""
@@ -169,6 +179,7 @@ class ReplicaChooser:
     def release(self, placement: Placement) -> None:
         rid = placement.replica.replica_id
         self.progress(placement, placement.load)
+        self.shared.closed(rid, placement.shared_id)
         self.inflight[rid] = max(0, self.inflight.get(rid, 0) - 1)
         if placement.tier == "batch":
             self.batch_inflight[rid] = max(0, self.batch_inflight.get(rid, 0) - 1)

@@ -124,6 +124,7 @@ class Prepared:
     arrived: float = field(default_factory=time.monotonic)
     home: str = "local"
     quota_reserved: int = 0
+    budget_warning: str | None = None  # the team passed its budget's soft share (router_service/budgets.py)
     placement: Placement | None = None
     handle: CancelHandle | None = None
     started: bool = False

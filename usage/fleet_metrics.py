@@ -1,6 +1,6 @@
 """Router metrics over time: the `router_metrics` table of the usage store and the series the admin UI draws.
 
-The metrics scraper (usage/metrics_scraper.py) stores every kept Prometheus sample of the router's
+The metrics scraper (usage/metrics_scraper.py) stores every kept Prometheus sample of every router's
 `/metrics` as (ts, name, labels, le, value) — counters and histogram buckets cumulative, as exposed. Rates
 and quantiles are computed here from the differences between scrapes, the way Prometheus' `rate()` and
 `histogram_quantile()` do: a counter that went down (router restart) counts from zero, an interval with no
@@ -41,6 +41,33 @@ def parse_samples(text: str) -> list[tuple[str, str, float | None, float]]:
             rows.append((s.name, json.dumps(labels, sort_keys=True), float(le) if le is not None else None,
                          float(s.value)))
     return rows
+
+
+# Gauges of a replica's own state: every router relays the same replica report, so one copy is kept.
+REPLICA_GAUGES = {"fleet_router_replica_kv_utilisation", "fleet_router_replica_waiting"}
+
+
+def merge_routers(pages: list[list[tuple]]) -> list[tuple]:
+    """One fleet-wide scrape from every router's samples (each `parse_samples` of one router, in router order):
+    counters and histograms keep one series per router (label `router`: the index), so a router that restarts
+    resets only its own series and rates and quantiles sum over routers; gauges of the router's own queue are
+    summed; replica gauges are kept once (the first router that has the replica)."""
+    out: list[tuple] = []
+    summed: dict[tuple, float] = {}
+    seen_replica: set[tuple] = set()
+    for index, rows in enumerate(pages):
+        for name, labels, le, value in rows:
+            if name in REPLICA_GAUGES:
+                if (name, labels) not in seen_replica:
+                    seen_replica.add((name, labels))
+                    out.append((name, labels, le, value))
+            elif name == "fleet_router_queue_depth":
+                summed[name, labels, le] = summed.get((name, labels, le), 0.0) + value
+            else:
+                tagged = json.dumps({**json.loads(labels), "router": str(index)}, sort_keys=True) if len(pages) > 1 \
+                    else labels
+                out.append((name, tagged, le, value))
+    return out + [(name, labels, le, value) for (name, labels, le), value in summed.items()]
 
 
 def record(con: duckdb.DuckDBPyConnection, ts: float, rows: list[tuple], retention_s: float | None = None) -> int:

@@ -1,6 +1,7 @@
-"""The metrics scraper: every few seconds, read the router's Prometheus `/metrics` and append the kept
-samples to the usage store's `router_metrics` table (usage/fleet_metrics.py), so the admin UI's Fleet page
-has history, and add the scrape interval of every reporting replica (times its tensor-parallel GPUs) to the
+"""The metrics scraper: every few seconds, read every router's Prometheus `/metrics` (each router's own
+listener: behind one shared port a scrape would reach a random router), merge them into one fleet-wide scrape
+(`fleet_metrics.merge_routers`) and append the kept samples to the usage store's `router_metrics` table
+(usage/fleet_metrics.py), so the admin UI's Fleet page and the automatic rollback rules see all the traffic, and add the scrape interval of every reporting replica (times its tensor-parallel GPUs) to the
 store's `gpu_hours` table, so chargeback has GPU-hours and their idle share; once a minute, evaluate the
 armed automatic rollback rules (usage/auto_rollback.py).
 
@@ -25,14 +26,32 @@ from usage import auto_rollback, fleet_metrics, store
 log = logging.getLogger(__name__)
 
 
-def scrape_once(router_url: str, store_path: Path, retention_s: float, now: float | None = None,
+def read_routers(router_urls: str | list[str]) -> list[list[tuple]]:
+    """Each router's kept samples, in order; a router that cannot be read is logged and left out (its series
+    pause). Raises the last httpx error when no router can be read."""
+    urls = router_urls.split(",") if isinstance(router_urls, str) else router_urls
+    pages, error = [], None
+    for url in urls:
+        try:
+            resp = httpx.get(f"{url.strip().rstrip('/')}/metrics", timeout=5.0)
+            resp.raise_for_status()
+            pages.append(fleet_metrics.parse_samples(resp.text))
+        except httpx.HTTPError as exc:
+            log.warning("cannot scrape %s/metrics: %s", url, exc)
+            pages.append([])
+            error = exc
+    if error is not None and not any(pages):
+        raise error
+    return pages
+
+
+def scrape_once(router_url: str | list[str], store_path: Path, retention_s: float, now: float | None = None,
                 replica_seconds: float = 0.0, gpus_per_replica: dict[tuple[str, str], int] | None = None) -> int:
-    """One scrape into the store; returns the number of samples kept. With `replica_seconds` > 0, that many
-    seconds of each reporting replica are added to the GPU-hours. Raises httpx errors when the router
-    cannot be read."""
-    resp = httpx.get(f"{router_url.rstrip('/')}/metrics", timeout=5.0)
-    resp.raise_for_status()
-    rows = fleet_metrics.parse_samples(resp.text)
+    """One scrape of every router (comma-separated URLs or a list) into the store; returns the number of
+    samples kept. With `replica_seconds` > 0, that many seconds of each reporting replica are added to the
+    GPU-hours (once per replica, however many routers relay it). Raises httpx errors when no router can be
+    read."""
+    rows = fleet_metrics.merge_routers(read_routers(router_url))
     now = now if now is not None else time.time()
     with store.connect(store_path) as con:
         kept = fleet_metrics.record(con, now, rows, retention_s)
@@ -55,8 +74,9 @@ def run(router_url: str, store_path: Path, db_url: str, interval_s: float, reten
     last_scrape: float | None = None
     gpus: dict[tuple[str, str], int] = {}
     failing = False
-    log.info("scraping %s/metrics every %.0f s into %s (kept %.1f days)", router_url, interval_s, store_path,
-             retention_s / 86400)
+    log.info("scraping %s every %.0f s into %s (kept %.1f days)",
+             ", ".join(f"{u.strip().rstrip('/')}/metrics" for u in str(router_url).split(",")), interval_s,
+             store_path, retention_s / 86400)
     while not stop.is_set():
         started = time.time()
         # a replica reporting now is counted for the time since the last good scrape, at most two intervals
@@ -89,7 +109,9 @@ def run(router_url: str, store_path: Path, db_url: str, interval_s: float, reten
 
 
 def add_arguments(parser: argparse.ArgumentParser, settings) -> None:
-    parser.add_argument("--router-url", default=settings.router_http_url, help="router HTTP base (default: %(default)s)")
+    parser.add_argument("--router-url", default=",".join(settings.router_metrics_urls),
+                        help="every router's metrics base URL, comma-separated (default: each router's own "
+                             "listener, %(default)s)")
     parser.add_argument("--store", type=Path, default=settings.usage_db_path, help="DuckDB file (default: %(default)s)")
     parser.add_argument("--interval", type=float, default=settings.metrics_scrape_s,
                         help="seconds between scrapes (default: FLEET_METRICS_SCRAPE_S or %(default)s)")

@@ -65,26 +65,37 @@ if status is not None:
         "forecast_month_end": st.column_config.NumberColumn(f"forecast month end ({currency})", format="%.6f"),
         "budget": st.column_config.NumberColumn(f"budget ({currency})", format="%.6f"),
         "used_share": st.column_config.ProgressColumn("budget used", min_value=0.0, max_value=1.0,
-                                                      format="percent")})
+                                                      format="percent"),
+        "routers_spent": st.column_config.NumberColumn("routers' spend this period", format="%.6f"),
+        "routers_reserved": st.column_config.NumberColumn("reserved in flight", format="%.6f")})
     if not status.empty:
         right.plotly_chart(charts_history.budgets(status, currency), width="stretch")
-    st.caption("Forecast = month-to-date cost at the month-to-date run rate, extended to the month's end.")
+    st.caption("Forecast = month-to-date cost at the month-to-date run rate, extended to the month's end. "
+               "Routers' spend: what the routers settled against the budget this period (the same prices; "
+               "requests over an enforced budget are refused), and what requests in flight reserve.")
     if session.is_operator():
         with st.form("budget_form"):
             teams = sorted(set(status["team"]) | set(choices["team"]))
-            b = st.columns([2, 2, 1])
+            b = st.columns([2, 2, 1, 1, 1, 1, 1])
             team = b[0].selectbox("Team", teams, key="budget_team") if teams else b[0].text_input("Team",
                                                                                                   key="budget_team")
-            amount = b[1].number_input(f"Monthly budget ({currency})", min_value=0.0, max_value=1e12, value=0.0,
-                                       step=10.0, format="%.6f", key="budget_amount")
-            saved = b[2].form_submit_button("Set budget")
+            amount = b[1].number_input(f"Budget per period ({currency} or tokens)", min_value=0.0, max_value=1e12,
+                                       value=0.0, step=10.0, format="%.6f", key="budget_amount")
+            period = b[2].selectbox("Period", ("month", "day"), key="budget_period")
+            unit = b[3].selectbox("Unit", ("money", "tokens"), key="budget_unit")
+            soft = b[4].number_input("Warn at share", min_value=0.01, max_value=1.0, value=0.8, step=0.05,
+                                     key="budget_soft_share")
+            enforce = b[5].checkbox("Refuse at 100 %", value=True, key="budget_enforce")
+            saved = b[6].form_submit_button("Set budget")
         box = st.container()
         if saved:
             if not team:
                 box.error("Not changed: choose a team.")
             else:
-                session.write(lambda: session.client().set_budget(team, float(amount)),
-                              f"budget of {team} set to {cd.money(amount)} {currency}", box)
+                session.write(lambda: session.client().set_budget(team, float(amount), period=period, unit=unit,
+                                                                  soft_share=float(soft), enforce=bool(enforce)),
+                              f"budget of {team} set to {cd.money(amount)} {currency if unit == 'money' else 'tokens'}"
+                              f" per {period}", box)
 
 st.subheader("Cost by team, model, version, adapter and tier")
 breakdown = session.safe("the cost breakdown (usage store)", cd.cost, filters,

@@ -60,7 +60,7 @@ def start_replica(settings: Settings, spec: ReplicaSpec, extra_env: dict[str, st
     # reports go to the router's internal listener, signed with a key that speaks for this replica only
     key = replica_key(load_report_secret(settings), spec.replica_id)
     env = {"FLEET_REPLICA_ID": spec.replica_id, "FLEET_MODEL": spec.model, "FLEET_VERSION": spec.version,
-           "FLEET_REGION": settings.region, "FLEET_ROUTER_URLS": settings.router_internal_url,
+           "FLEET_REGION": settings.region, "FLEET_ROUTER_URLS": ",".join(settings.router_internal_urls),
            "FLEET_REPORT_KEY": key, **(extra_env or {})}
     info = {"kind": "replica", "replica_id": spec.replica_id, **common}
     started = time.monotonic()

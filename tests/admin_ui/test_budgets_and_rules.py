@@ -29,17 +29,40 @@ def test_budget_is_set_audited_once_and_read_by_viewers(stack):
     resp = _api(stack, "PUT", "/budgets/search", body={"monthly_amount": 120.5})
     assert resp.status_code == 200 and resp.json()["changed"] is True and resp.json()["currency"] == "USD"
     assert _audit(stack.db_url)[0] == ("alice", "set_budget", "search", None,
-                                       {"monthly_amount": 120.5, "currency": "USD"})
+                                       {"monthly_amount": 120.5, "currency": "USD", "period": "month",
+                                        "unit": "money", "soft_share": 0.8, "enforce": True})
     again = _api(stack, "PUT", "/budgets/search", body={"monthly_amount": 120.5})
     assert again.json()["changed"] is False and len([a for a in _audit(stack.db_url) if a[1] == "set_budget"]) == 1
     listed = _api(stack, "GET", "/budgets", token=VIEWER_TOKEN).json()
     assert listed["currency"] == "USD" and [b["team"] for b in listed["budgets"]] == ["search"]
+    assert listed["budgets"][0]["spent"] == 0.0 and listed["budgets"][0]["reserved"] == 0.0
+    daily = _api(stack, "PUT", "/budgets/search", body={"monthly_amount": 50000, "period": "day", "unit": "tokens",
+                                                         "soft_share": 0.5, "enforce": False})
+    assert daily.json() | {"changed": None} == {"team": "search", "monthly_amount": 50000, "currency": "USD",
+                                                "period": "day", "unit": "tokens", "soft_share": 0.5,
+                                                "enforce": False, "changed": None}
+    assert _audit(stack.db_url)[0][3]["period"] == "month" and _audit(stack.db_url)[0][4]["period"] == "day"
+
+
+def test_caller_limits_and_team_weights_are_set_audited_and_bounded(stack):
+    with session_scope(stack.db_url) as s:
+        caller = queries.list_callers(s)[0].name
+    ok = _api(stack, "PUT", f"/callers/{caller}/limits", body={"requests_per_s": 5, "tokens_per_minute": 1000})
+    assert ok.status_code == 200 and ok.json()["changed"] is True
+    assert _audit(stack.db_url)[0][1:3] == ("set_caller_limits", caller)
+    assert "requests_per_s" in _api(stack, "PUT", f"/callers/{caller}/limits",
+                                    body={"requests_per_s": 0.5}).json()["error"]["message"]
+    assert _api(stack, "PUT", "/teams/search/weight", body={"weight": 3}).json()["fair_weight"] == 3.0
+    assert _api(stack, "PUT", "/teams/search/weight", body={"weight": 0}).status_code == 400
+    assert _api(stack, "PUT", "/teams/search/weight", token=VIEWER_TOKEN, body={"weight": 2}).status_code == 403
 
 
 @pytest.mark.parametrize("team, body, status, words", [
     ("nobody", {"monthly_amount": 10}, 400, "team 'nobody' is not registered; known teams: ['assistant', 'search']"),
     ("search", {"monthly_amount": -1}, 400, "monthly_amount"),
     ("search", {"monthly_amount": 10, "extra": 1}, 400, "extra"),
+    ("search", {"monthly_amount": 10, "period": "week"}, 400, "period"),
+    ("search", {"monthly_amount": 10, "soft_share": 1.5}, 400, "soft_share"),
 ])
 def test_bad_budgets_are_refused_with_the_field_named(stack, team, body, status, words):
     resp = _api(stack, "PUT", f"/budgets/{team}", body=body)

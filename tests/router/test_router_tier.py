@@ -1,0 +1,245 @@
+"""The router tier behaves as one (issue 37): two routers (two QuotaLedgers, each its own router id, group
+commits and database connections, on SQLite and on the real PostgreSQL) share per-key request and token rates,
+team budgets (worst case reserved at admission, settled to use) and a dead router's leases lapse; inside a
+tier the admission queue shares a saturated pool between teams by token-weighted fair queueing; placement
+counts the streams of other routers from the replicas' reports."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from registry import budgets, quotas
+from registry.db import migrate, session_scope
+from registry.schema import BudgetSpend
+from router_service.admission import AdmissionQueue
+from router_service.budgets import PriceBook, settled_cost
+from router_service.errors import RouterError
+from router_service.fair_queue import FairShare
+from router_service.gateway import QuotaLedger, _today
+from router_service.registry_cache import BudgetInfo, CallerInfo
+from router_service.replica_choice import ReplicaChooser
+from router_service.replica_state import ReplicaStateTable
+from router_service.registry_cache import ReplicaInfo
+
+
+def _caller(name: str = "k", team: str = "t", rps: float = 0.0, tpm: int = 0) -> CallerInfo:
+    return CallerInfo(name, team, "interactive", 10**12, (), (), "local", False, 0, rps, tpm)
+
+
+async def _burst(ledgers: list[QuotaLedger], caller: CallerInfo, n: int, budget: BudgetInfo | None = None,
+                 prompt: int = 60, max_tokens: int = 40) -> dict[str, str | None | RouterError]:
+    """n admissions spread round-robin over the routers, all at once."""
+    async def one(i: int):
+        lease = f"{caller.name}-{i}-{time.monotonic_ns()}"
+        try:
+            await ledgers[i % len(ledgers)].admit_caller(caller, budget, lease, "smollm2-135m", prompt, max_tokens)
+            return lease, "ok"
+        except RouterError as exc:
+            return lease, exc
+    return dict(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+@pytest.fixture
+def routers(db_url) -> list[QuotaLedger]:
+    migrate(db_url)
+    return [QuotaLedger(db_url, "router-a"), QuotaLedger(db_url, "router-b")]
+
+
+def test_a_burst_over_two_routers_admits_the_shared_request_rate_not_twice_it(routers):
+    started = time.monotonic()
+    answers = asyncio.run(_burst(routers, _caller(rps=5), 40))
+    elapsed = time.monotonic() - started
+    admitted = [k for k, a in answers.items() if a == "ok"]
+    refused = [a for a in answers.values() if a != "ok"]
+    # at most R per 1 s sliding window: R + R x elapsed (the burst takes well under a second)
+    assert 1 <= len(admitted) <= 5 + int(5 * elapsed), (len(admitted), elapsed)
+    assert all(e.code == "resource_exhausted" and "5 requests/s across every router" in e.message
+               and 0 < e.retry_after_ms <= 1000 for e in refused)
+    assert {lease.split("-")[1] for lease in admitted} and len(refused) == 40 - len(admitted)
+
+
+def test_the_token_rate_is_shared_and_settles_to_what_requests_used(routers):
+    caller = _caller(tpm=1000)
+    answers = asyncio.run(_burst(routers, caller, 30))          # 100 tokens each (60 + 40)
+    admitted = [k for k, a in answers.items() if a == "ok"]
+    assert len(admitted) == 10                                   # 1000 / 100, over both routers
+    assert all("1000 tokens/min across every router" in a.message for a in answers.values() if a != "ok")
+
+    async def settle():   # each used 60 + 10 tokens, not 100: 30 x 10 = 300 tokens given back
+        await asyncio.gather(*(r.settle_request(k, 60, 0, 10) for k in admitted for r in routers))
+    asyncio.run(settle())
+    again = asyncio.run(_burst(routers, caller, 10))
+    assert sum(a == "ok" for a in again.values()) == 3
+    with pytest.raises(RouterError, match="needs up to 2000 tokens.*may use 1000 tokens/min"):
+        asyncio.run(routers[0].admit_caller(caller, None, "huge", "m", 1000, 1000))
+
+
+def test_a_team_five_requests_short_of_its_budget_cannot_overshoot_it_from_two_routers(routers, db_url):
+    prices = PriceBook()
+    worst = prices.cost("smollm2-135m", 60, 0, 40)
+    budget = BudgetInfo("t", amount=1.0, period="month", unit="money", soft_share=0.8, enforce=True)
+    period = budgets.period_key("month")
+    with session_scope(db_url) as s:   # spent so far: five worst cases short of the amount
+        s.add(BudgetSpend(team="t", period=period, spent=budget.amount - 5 * worst))
+    answers = asyncio.run(_burst(routers, _caller(), 64, budget))
+    admitted = [k for k, a in answers.items() if a == "ok"]
+    refused = [a for a in answers.values() if a != "ok"]
+    assert len(admitted) == 5 and len(refused) == 59
+    reset = budgets.resets_at("month").isoformat()
+    assert all(e.code == "resource_exhausted" and "budget exhausted: team 't'" in e.message and period in e.message
+               and f"resets at {reset}" in e.message and e.retry_after_ms > 0 for e in refused)
+
+    used = {k: 40 - 8 * i for i, k in enumerate(admitted)}   # the streams stopped at 40, 32, ... 8 tokens
+
+    async def settle():
+        await asyncio.gather(*(r.settle_request(k, 60, 0, used[k]) for k in admitted for r in routers))
+    asyncio.run(settle())
+    with session_scope(db_url) as s:
+        spend = budgets.spend_rows(s, {"t": period}).get("t") or {
+            "spent": s.get(BudgetSpend, ("t", period)).spent, "reserved": budgets.reserved(s, "t", period)}
+    settled = sum(settled_cost(budget, prices, "smollm2-135m", 60, 0, n) for n in used.values())
+    assert spend["spent"] == pytest.approx(budget.amount - 5 * worst + settled)
+    assert spend["spent"] <= budget.amount + 5 * worst and spend["reserved"] == 0
+    # what the five did not use is free again (at least one worst case), and the requests past it get the error
+    room = int((budget.amount - spend["spent"]) // worst)
+    assert room >= 1
+    later = asyncio.run(_burst(routers, _caller(), 4, budget))
+    assert sum(a == "ok" for a in later.values()) == room
+    assert all("budget exhausted" in a.message for a in later.values() if a != "ok")
+
+
+def test_the_soft_share_warns_and_a_token_budget_counts_tokens(routers):
+    budget = BudgetInfo("t", amount=1000, period="day", unit="tokens", soft_share=0.5, enforce=True)
+    a, b = routers
+    assert asyncio.run(a.admit_caller(_caller(), budget, "w1", "m", 300, 100)) is None        # 400 of 1000
+    warning = asyncio.run(b.admit_caller(_caller(), budget, "w2", "m", 100, 100))            # 600: past half
+    assert "team 't' has used or reserved 600 tokens of its daily budget of 1,000 tokens" in warning
+    assert budgets.period_key("day") in warning
+    with pytest.raises(RouterError, match="daily budget of 1,000 tokens"):
+        asyncio.run(a.admit_caller(_caller(), budget, "w3", "m", 300, 200))
+    soft_only = BudgetInfo("t", 1000, "day", "tokens", 0.5, enforce=False)                   # warn, never refuse
+    assert "1,100 tokens" in asyncio.run(a.admit_caller(_caller(), soft_only, "w4", "m", 300, 200))
+
+
+def test_a_dead_routers_reservations_lapse_within_the_lease_ttl(routers, db_url):
+    """Router a takes the caller's only concurrency slot and part of the team budget, then dies (stops
+    renewing). Until LEASE_TTL_S has passed router b is refused; after it, b admits and a's lease is gone
+    without being billed (a's usage events are the bill, docs/reliability.md)."""
+    budget = quotas.BudgetAsk(budgets.period_key("day"), "day", 100.0, "tokens", 1.0, True, 80.0)
+    ask = lambda lease: quotas.LeaseRequest(lease, "k", 80, 10**9, 1, team="t", budget=budget)  # noqa: E731
+    t0 = time.time()
+    with session_scope(db_url) as s:
+        assert isinstance(quotas.admit_many(s, [ask("a-1")], day=_today(), router_id="router-a", now=t0)[0],
+                          quotas.Admitted)
+    with session_scope(db_url) as s:   # b, one TTL minus a second later: a's lease still holds slot and budget
+        refused = quotas.admit_many(s, [ask("b-1")], day=_today(), router_id="router-b",
+                                    now=t0 + quotas.LEASE_TTL_S - 1)[0]
+        assert refused.kind == "concurrency"
+    with session_scope(db_url) as s:
+        after = quotas.admit_many(s, [ask("b-2")], day=_today(), router_id="router-b",
+                                  now=t0 + quotas.LEASE_TTL_S + 0.5)[0]
+        assert isinstance(after, quotas.Admitted)
+        assert s.get(BudgetSpend, ("t", budget.period)).spent == 0.0      # nothing billed for a's lapsed lease
+    assert quotas.LEASE_TTL_S <= 20
+
+
+# --- fair shares inside a tier -----------------------------------------------------------------------
+
+class Pool:
+    """A saturated replica pool: `slots` streams at once, each holding its slot for tokens x `s_per_token`."""
+
+    def __init__(self, slots: int, s_per_token: float) -> None:
+        self.free, self.s_per_token = slots, s_per_token
+        self.served: list[tuple[float, str, int]] = []   # (time, team, tokens)
+
+    def placer(self):
+        def try_place():
+            if self.free <= 0:
+                return None
+            self.free -= 1
+            return object()
+        return try_place
+
+    def release(self, _placement) -> None:
+        self.free += 1
+
+
+async def _team(q: AdmissionQueue, pool: Pool, team: str, every_s: float, n: int, mean_tokens: int,
+                waits: list[float]) -> None:
+    rng = random.Random(team)    # stream lengths vary (mean_tokens / 2 .. 3 / 2 x), so slots free at random times
+
+    async def one():
+        tokens = rng.randint(mean_tokens // 2, mean_tokens * 3 // 2)
+        t = time.monotonic()
+        placement = await q.admit("standard", None, pool.placer(), pool.release, team, share=FairShare(team, 1.0, tokens))
+        waits.append(time.monotonic() - t)
+        await asyncio.sleep(tokens * pool.s_per_token)
+        pool.served.append((time.monotonic(), team, tokens))
+        pool.release(placement)
+        q.pump()
+    tasks = []
+    for _ in range(n):
+        tasks.append(asyncio.create_task(one()))
+        await asyncio.sleep(every_s)
+    await asyncio.gather(*tasks)
+
+
+def test_a_team_sending_ten_times_the_rate_does_not_delay_the_other_and_backlogged_teams_share_evenly():
+    # TTFT = queue wait + prefill (0.1 s: a ~2,000-token prompt on a GPU replica); a stream holds its slot
+    # 25-75 tokens x 2 ms. In arrival order (no fair shares) B waited ~0.5 s behind A's backlog.
+    prefill_s, tokens = 0.1, 50
+
+    async def run(with_a: bool) -> tuple[list[float], Pool]:
+        q, pool, waits_a, waits_b = AdmissionQueue("m:1", 4096), Pool(slots=16, s_per_token=0.002), [], []
+        jobs = [_team(q, pool, "b", 0.04, 25, tokens, waits_b)]        # B: 25 req/s, below the pool's 160 req/s
+        if with_a:
+            jobs.append(_team(q, pool, "a", 0.004, 250, tokens, waits_a))  # A: 250 req/s, 10x B, saturates it
+        await asyncio.gather(*jobs)
+        return [w + prefill_s for w in waits_b], pool
+
+    def p95(xs: list[float]) -> float:
+        return sorted(xs)[int(0.95 * (len(xs) - 1))]
+    alone, _ = asyncio.run(run(False))
+    shared, pool = asyncio.run(run(True))
+    assert p95(shared) <= 1.5 * p95(alone), (p95(shared), p95(alone))
+
+    # both teams backlogged: B sends as fast as A; token service rates over the window both are served
+    async def backlogged() -> Pool:
+        q, pool = AdmissionQueue("m:1", 4096), Pool(slots=4, s_per_token=0.0005)
+        await asyncio.gather(_team(q, pool, "a", 0.0005, 200, tokens, []),
+                             _team(q, pool, "b", 0.005, 20, tokens, []))
+        return pool
+    pool = asyncio.run(backlogged())
+    end_b = max(t for t, team, _ in pool.served if team == "b")
+    window = [(team, n) for t, team, n in pool.served if t <= end_b]
+    rates = [sum(n for team, n in window if team == x) for x in ("a", "b")]
+    jain = sum(rates) ** 2 / (2 * sum(r * r for r in rates))
+    assert jain >= 0.9, rates
+
+
+# --- placement over several routers -----------------------------------------------------------------------
+
+def test_placement_counts_the_streams_other_routers_hold_on_a_replica():
+    """Two routers' choosers fed the same replica reports: router b sees a's streams through r1's report
+    (running + waiting) and places on r2, and r1's concurrency cap counts both routers' streams."""
+    from router_service.replica_choice import ChoiceParams
+    replicas = [ReplicaInfo(r, "m", "1", "local", "127.0.0.1:1", "http://x", "serving") for r in ("r1", "r2")]
+    tables = [ReplicaStateTable(), ReplicaStateTable()]
+    a, b = (ReplicaChooser(t, ChoiceParams(replica_concurrency=8)) for t in tables)
+
+    def report(running: dict[str, int]) -> None:
+        for t in tables:
+            for rid, n in running.items():
+                t.apply({"replica_id": rid, "model": "m", "version": "1", "running": n, "waiting": 0,
+                         "kv_blocks_total": 100, "kv_blocks_free": 100, "block_size": 16, "full_snapshot": True})
+    report({"r1": 0, "r2": 0})
+    placed_a = [a.place(replicas[:1], "standard", 32, 32, [], "") for _ in range(6)]   # a fills r1 with 6
+    assert all(p.replica.replica_id == "r1" for p in placed_a)
+    time.sleep(0.01)
+    report({"r1": 6, "r2": 0})                       # r1's next report counts a's six streams
+    assert b.shared.others("r1") == 6 and a.shared.others("r1") == 0
+    assert b.place(replicas, "standard", 32, 32, [], "").replica.replica_id == "r2"
+    assert [b.place(replicas[:1], "standard", 32, 32, [], "") is not None for _ in range(3)] == [True, True, False]
