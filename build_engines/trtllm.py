@@ -38,6 +38,7 @@ from build_engines import stage, triton_repo
 from build_engines.layout import BuildResult, artefacts_ok, clean_stale_partials, store_uri, version_dir
 from build_engines.plan import (BuildError, BuildOptions, BuildPlan, inputs_fingerprint, inspect_checkpoint,
                                 precheck_checkpoint, resolve)
+from build_engines.quality_gate import GateOptions
 from build_engines.register import Registration, check_existing, read_row
 
 TRTLLM_VERSION = "0.17.0"
@@ -173,7 +174,7 @@ def _run(cmd: list[str], log: Path, label: str) -> float:
     return time.perf_counter() - t
 
 
-def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str) -> BuildResult:
+def build_trtllm(opts: BuildOptions, settings: Settings, db_url: str, gate: GateOptions | None = None) -> BuildResult:
     """Validate, then either print the plan (--dry-run) or run it, stage it and register it."""
     if precheck_checkpoint(opts.checkpoint)[0].is_file():
         raise BuildError("--checkpoint", "the trtllm target needs a Hugging Face folder (safetensors); GGUF "
