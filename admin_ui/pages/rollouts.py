@@ -146,6 +146,18 @@ if rules:
         "fired_reason"], column_config={"max_error_rate": st.column_config.NumberColumn("max error rate",
                                                                                          format="percent")})
 
+st.subheader("Quality gate, version by version")
+gates = session.safe("quality gate reports (registry)", data.quality_gate_frame, model)
+gate_percent = (status or {}).get("quality_gate", {}).get("gate_percent")
+st.caption("Each version's build-time gate: our engine vs the checkpoint's transformers fp32 run on the shipped "
+           "evaluation set (greedy agreement, |logprob delta|, perplexity). "
+           + (f"A version takes more than {gate_percent} % of traffic only with a passed gate (an operator "
+              "override is audited)." if gate_percent is not None else ""))
+if gates is not None:
+    st.dataframe(gates, hide_index=True, width="stretch", column_config={
+        "route_percent": st.column_config.ProgressColumn("traffic %", min_value=0, max_value=100, format="%d %%"),
+        "agreement": st.column_config.NumberColumn("agreement", format="%.3f")})
+
 st.subheader("Versions side by side")
 w1, w2 = st.columns([2, 5])
 window_key = w1.segmented_control("Window", list(WINDOWS_H), key="compare_window",
