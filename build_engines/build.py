@@ -107,17 +107,20 @@ def quality_gate(settings: Settings, plan: BuildPlan, sha: str, conv: Path, weig
 
 
 def build(opts: BuildOptions, settings: Settings, db_url: str | None = None,
-          gate: GateOptions | None = None) -> BuildResult:
+          gate: GateOptions | None = None, calib_dataset: str | None = None) -> BuildResult:
     """Run one build; raises BuildError for bad input (before any work) or a failed step (row -> failed),
-    including a failed quality gate (`gate`: how it runs; default GateOptions())."""
+    including a failed quality gate (`gate`: how it runs; default GateOptions()). `calib_dataset`: the trtllm
+    target's local calibration folder (default the shipped build_engines/calib)."""
     db_url = db_url or settings.db_url
     gate = gate or GateOptions()
+    if calib_dataset and opts.target != "trtllm":
+        raise BuildError("--calib-dataset", "only the trtllm target calibrates (fp8); the cpu target takes none")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     check_options(opts)
     ckpt_path, alias = precheck_checkpoint(opts.checkpoint)
     if opts.target == "trtllm":
-        return trtllm.build_trtllm(opts, settings, db_url, gate)
+        return trtllm.build_trtllm(opts, settings, db_url, gate, calib_dataset)
     sha = stage.checkpoint_sha256(ckpt_path, settings.cache_dir / "checksums.json")
     timings["checksum_s"] = time.perf_counter() - t0
     hint = conversion_cache_dir(settings, alias, sha, "bf16")  # same config.json whatever the dtype

@@ -75,6 +75,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="KV cache precision, decided apart from the weights: auto = the activation dtype; fp8 "
                         "halves KV memory (ModelOpt calibrates its scales; check accuracy on your evals)")
+    g.add_argument("--calib-dataset", metavar="DIR",
+                   help="fp8 calibration set: a local folder whose `train` split has a `text` column (ModelOpt's "
+                        "local-dataset form; default the shipped build_engines/calib, so an air-gapped GPU node "
+                        "downloads nothing)")
     g.add_argument("--trtllm-examples", help="TensorRT-LLM examples folder (default $TRTLLM_EXAMPLES_DIR or "
                                              "/opt/TensorRT-LLM/examples)")
     return p
@@ -104,14 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     from build_engines.stage import console
 
     settings = load_settings()
-    gate_flags = ("gate_prompts", "gate_tokens", "gate_threshold", "skip_gate")
+    gate_flags = ("gate_prompts", "gate_tokens", "gate_threshold", "skip_gate", "calib_dataset")
     fields = {k: v for k, v in vars(args).items() if k not in ("db_url", "json", *gate_flags)}
     fields["lora_target_modules"] = tuple(fields["lora_target_modules"])
     signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed build records `failed`, never half-staged
     try:
         opts = parse_options(**fields)
         gate = gate_options(args)
-        result = build(opts, settings, args.db_url, gate)
+        result = build(opts, settings, args.db_url, gate, args.calib_dataset)
     except BuildError as exc:
         console.print(f"[bold red]build-engines: error:[/bold red] {exc}", highlight=False)
         return 2 if exc.field.startswith("--") else 1

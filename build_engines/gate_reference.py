@@ -29,8 +29,9 @@ def cache_path(cache_dir: Path, checkpoint_sha256: str, opts: GateOptions) -> Pa
     return cache_dir / "quality-gate" / f"ref-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
-def load_reference_model(checkpoint: Path):
-    """(model, tokenizer) in fp32 from an HF folder or a .gguf file (dequantised on load)."""
+def load_reference_model(checkpoint: Path, device_map: str | None = None):
+    """(model, tokenizer) in fp32 from an HF folder or a .gguf file (dequantised on load); device_map "auto"
+    spreads a large checkpoint over the GPU node's devices (the TensorRT-LLM gate)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     if checkpoint.is_file() and checkpoint.suffix == ".gguf":
@@ -41,15 +42,18 @@ def load_reference_model(checkpoint: Path):
     else:
         kwargs, source = {}, checkpoint
         tok = AutoTokenizer.from_pretrained(checkpoint)
+    if device_map:
+        kwargs["device_map"] = device_map
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs).eval()
     return model, tok
 
 
 @torch.inference_mode()
-def compute_reference(checkpoint: Path, opts: GateOptions) -> Reference:
+def compute_reference(checkpoint: Path, opts: GateOptions, device_map: str | None = None) -> Reference:
     from build_engines.quality_gate import score_positions
 
-    model, tok = load_reference_model(checkpoint)
+    model, tok = load_reference_model(checkpoint, device_map)
+    dev = model.device
     texts = load_eval_set()[:opts.prompts]
     prompts = [tok(t)["input_ids"] for t in texts]
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
@@ -65,16 +69,16 @@ def compute_reference(checkpoint: Path, opts: GateOptions) -> Reference:
             # left padding for generation: every row's last prompt token is the last column
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=opts.gen_tokens,
+            out = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=opts.gen_tokens,
                                  min_new_tokens=opts.gen_tokens, do_sample=False, pad_token_id=pad)
-            gen = out[:, width:].tolist()
+            gen = out[:, width:].cpu().tolist()
             # teacher-forced scoring in one forward: right padding (causal attention: a row's positions never
             # see the padding after them)
             rows = [p + c[:-1] for p, c in zip(group, gen)]
             long = max(map(len, rows))
             ids = torch.tensor([r + [pad] * (long - len(r)) for r in rows])
             mask = torch.tensor([[1] * len(r) + [0] * (long - len(r)) for r in rows])
-            logits = model(input_ids=ids, attention_mask=mask).logits
+            logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits
             for j, (p, c) in enumerate(zip(group, gen)):
                 t1, lp = score_positions(logits[j, len(p) - 1:len(p) - 1 + len(c)], c)
                 conts.append(c)

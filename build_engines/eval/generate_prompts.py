@@ -1,7 +1,10 @@
-"""Regenerates build_engines/eval/prompts.jsonl, the quality gate's fixed evaluation set (docs/build_engines.md,
-"Quality gate"): short English prompts written for this project from the templates and subjects below, so the
-set has no third-party licence (it is part of this repository). Deterministic: running it again rewrites the
-same file, whose sha256 every gate report records.
+"""Regenerates the two text sets build-engines ships (docs/build_engines.md), written for this project from the
+templates and subjects below, so neither has a third-party licence (they are part of this repository):
+- build_engines/eval/prompts.jsonl: the quality gate's fixed evaluation set, short prompts;
+- build_engines/calib/train.jsonl: the default fp8 calibration set of the TensorRT-LLM build (ModelOpt reads a
+  local folder's `train` split, `text` column), paragraphs built from other sentences than the prompts, so the
+  gate never scores what the quantiser calibrated on.
+Deterministic: running it again rewrites the same files; every gate report records the prompts' sha256.
 
     .venv/bin/python -m build_engines.eval.generate_prompts
 """
@@ -12,6 +15,8 @@ import random
 from pathlib import Path
 
 OUT = Path(__file__).with_name("prompts.jsonl")
+CALIB_OUT = Path(__file__).parent.parent / "calib" / "train.jsonl"
+CALIB_SAMPLES = 512
 
 SUBJECTS = ["the ocean", "a mountain village", "the moon", "a small bakery", "the history of paper",
             "a thunderstorm", "the human heart", "a city library", "winter in the north", "honey bees",
@@ -47,9 +52,37 @@ def prompts() -> list[dict[str, str]]:
     return [{"id": i, **r} for i, r in enumerate(rows)]
 
 
+SENTENCES = ["People have studied {s} for a very long time, and new questions keep appearing.",
+             "Many visitors say that {s} changed the way they think about everyday life.",
+             "A report published last spring described {s} in careful detail.",
+             "Teachers often use {s} as an example when they explain difficult ideas.",
+             "The history of {s} is full of surprising turns and forgotten names.",
+             "Engineers and scientists still disagree about the best way to measure {s}.",
+             "In small towns, conversations about {s} can last for hours.",
+             "Photographs of {s} rarely capture how it feels to be there.",
+             "Some of the oldest books in the library mention {s} only in passing.",
+             "Children who learn about {s} early tend to remember it for years."]
+
+
+def calibration_texts() -> list[dict[str, str]]:
+    rng = random.Random(1733)
+    rows = []
+    for _ in range(CALIB_SAMPLES):
+        subject = rng.choice(SUBJECTS)
+        picked = rng.sample(SENTENCES, rng.randint(4, 7))
+        rows.append({"text": " ".join(t.format(s=subject) for t in picked)})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    print(f"wrote {path} ({len(rows)} rows)")
+
+
 def main() -> None:
-    OUT.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in prompts()))
-    print(f"wrote {OUT} ({len(prompts())} prompts)")
+    write_jsonl(OUT, prompts())
+    write_jsonl(CALIB_OUT, calibration_texts())
 
 
 if __name__ == "__main__":
