@@ -17,9 +17,12 @@ from build_engines import gate_reference, stage
 from build_engines.quality_gate import GateOptions, Reference, Scored, run_gate, score_positions
 
 ENGINE_NAME = "python_backends.engine (cpu)"
+# One intra-op thread: build nodes are shared, and with more runnable threads than cores torch's spinning
+# thread pool collapses (SmolLM2's 48 prompts, load average 9 on 2 cores: 16.6 s with 1 thread, 57.7 s with 2).
+GATE_THREADS = 1
 
 
-def engine_scores(weights_dir: Path, dtype: str, ref: Reference, threads: int = 2) -> Scored:
+def engine_scores(weights_dir: Path, dtype: str, ref: Reference, threads: int = GATE_THREADS) -> Scored:
     import torch
 
     from python_backends.engine.batch import SeqChunk

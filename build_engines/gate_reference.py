@@ -50,10 +50,20 @@ def load_reference_model(checkpoint: Path, device_map: str | None = None):
 
 @torch.inference_mode()
 def compute_reference(checkpoint: Path, opts: GateOptions, device_map: str | None = None) -> Reference:
-    from build_engines.quality_gate import score_positions
-
     model, tok = load_reference_model(checkpoint, device_map)
     dev = model.device
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # shared build nodes: see gate_engine.GATE_THREADS
+    try:
+        return _run_reference(model, tok, checkpoint, opts, dev)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_reference(model, tok, checkpoint: Path, opts: GateOptions, dev) -> Reference:
+    from build_engines.quality_gate import score_positions
+
     texts = load_eval_set()[:opts.prompts]
     prompts = [tok(t)["input_ids"] for t in texts]
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
