@@ -63,6 +63,9 @@ if session.is_operator():
             version = st.selectbox("Version", routable, key="percent_version")
             percent = st.slider("Percent of traffic", 0, 100, int(split.get(version, 0)), step=1, key="percent_slider")
             st.caption("The other routed versions share the rest in proportion to their current percents.")
+            override = st.text_input("Override the quality gate (reason, audited)", key="gate_override",
+                                     max_chars=500, help="Only needed to ramp a version without a passed quality "
+                                     "gate past the router's gated percentage; the reason lands in the audit log.")
             box = st.container()
             new, problem = data.preview_split(split, version, percent)
             if new is None:
@@ -73,8 +76,9 @@ if session.is_operator():
                 preview(new, box)
                 if box.button("Apply percent…", key="apply_percent"):
                     st.session_state["pending"] = ("percent", model, version, percent)
-                confirm(("percent", model, version, percent), f"Route `{model}` as shown above?", box,
-                        lambda: session.client().set_percent(model, version, percent),
+                confirm(("percent", model, version, percent), f"Route `{model}` as shown above?"
+                        + (" The quality-gate override will be audited." if override.strip() else ""), box,
+                        lambda: session.client().set_percent(model, version, percent, override.strip()),
                         f"{model} v{version} set to {percent} %")
     with full:
         if len(routable) < 2:

@@ -25,3 +25,12 @@ def test_gate_reports_side_by_side_and_refusal_shown(stack, page):
     assert "no passed quality gate" in " | ".join(e.value for e in at.error)
     with session_scope(stack.db_url) as s:
         assert queries.routes_for(s, MODEL) == {"1": 100}
+    reason = "INC-12: gate failed on a tokenizer change, offline evals fine"
+    at.text_input(key="gate_override").input(reason).run()
+    at.button(key="apply_percent").click().run()
+    at.button(key="confirm_percent").click().run()
+    assert not at.exception
+    with session_scope(stack.db_url) as s:
+        assert queries.routes_for(s, MODEL) == {"1": 70, "2": 30}
+        override = next(a for a in queries.list_audit(s) if a.action == "quality_gate_override")
+    assert override.actor == "alice" and override.after["reason"] == reason
