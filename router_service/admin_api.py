@@ -126,7 +126,7 @@ def admin_router(router: Router) -> APIRouter:
         if problems and not override:
             raise queries.RegistryError(
                 "; ".join(problems) + f". Ramping past {gate_percent} % needs a passed quality gate "
-                "(build-engines runs it; GET /admin/models/{model}/rollout shows the reports), or an operator "
+                f"(build-engines runs it; GET /admin/models/{name}/rollout shows the reports), or an operator "
                 "override: send override_quality_gate with the reason (audited)")
         if problems:
             note = {"quality_gate_override": {"reason": override, "problems": problems}}
