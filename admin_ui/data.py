@@ -53,6 +53,33 @@ def versions_frame(db_url: str | None = None) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
+GATE_COLUMNS = ["version", "status", "route_percent", "gate", "agreement", "mean_abs_logprob_delta",
+                "max_abs_logprob_delta", "ppl_engine", "ppl_reference", "dtype", "thresholds", "eval_set", "why"]
+
+
+def quality_gate_frame(model: str, db_url: str | None = None) -> pd.DataFrame:
+    """The model's versions side by side with their build-time quality gate (build_engines.quality_gate):
+    verdict, numbers, the thresholds they were held to and the eval set's hash; the serving version's row next
+    to the candidate's is what an operator compares before ramping (router_service.rollout's rule)."""
+    from registry.quality import gate_summary
+
+    with session_scope(_db(db_url)) as s:
+        split = queries.routes_for(s, model)
+        rows = []
+        for m in queries.list_model_versions(s):
+            if m.name != model or m.status not in (*queries.ROUTABLE_STATUSES, "failed"):
+                continue
+            g, metrics = gate_summary(m.quality_gate), (m.quality_gate or {}).get("metrics", {})
+            verdict = "skipped" if g.get("skipped") else "missing" if g.get("missing") else \
+                "passed" if g["passed"] else "FAILED"
+            rows.append({"version": m.version, "status": m.status, "route_percent": split.get(m.version, 0),
+                         "gate": verdict, **{k: metrics.get(k) for k in GATE_COLUMNS[4:9]},
+                         "dtype": g.get("dtype", m.dtype), "thresholds": _compact(g.get("thresholds") or {}),
+                         "eval_set": (g.get("eval_set_sha256") or "")[:12],
+                         "why": "; ".join(g.get("failures") or [])})
+    return pd.DataFrame(rows, columns=GATE_COLUMNS)
+
+
 def routes(db_url: str | None = None) -> dict[str, dict[str, int]]:
     """model -> {version: percent} for the versions that get traffic."""
     with session_scope(_db(db_url)) as s:

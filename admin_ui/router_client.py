@@ -68,9 +68,14 @@ class RouterClient:
         return self._call("GET", "/audit", params={"limit": limit})["entries"]
 
     # --- writes (operator only; the router answers 403 to a viewer) -----------------------------------
-    def set_percent(self, model: str, version: str, percent: int) -> dict[str, int]:
-        """Give `version` `percent` of the traffic; the other routed versions share the rest."""
-        return self._call("POST", f"/models/{model}/rollout", {"version": version, "percent": percent})["routes"]
+    def set_percent(self, model: str, version: str, percent: int, override_quality_gate: str = "") -> dict[str, int]:
+        """Give `version` `percent` of the traffic; the other routed versions share the rest.
+        `override_quality_gate`: the operator's reason to ramp past the gated percentage without a passed gate
+        (the router audits it as `quality_gate_override`)."""
+        body: dict = {"version": version, "percent": percent}
+        if override_quality_gate:
+            body["override_quality_gate"] = override_quality_gate
+        return self._call("POST", f"/models/{model}/rollout", body)["routes"]
 
     def set_split(self, model: str, split: dict[str, int]) -> dict[str, int]:
         return self._call("POST", f"/models/{model}/rollout", {"split": split})["routes"]

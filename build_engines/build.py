@@ -1,5 +1,7 @@
 """One build, start to finish: validate, decide (new / no-op / refused), convert or plan the engine, write
-the Triton model repository, stage the artefacts, and move the registry row building -> built -> staged.
+the Triton model repository, run the quality gate (build_engines.quality_gate), stage the artefacts, and move
+the registry row building -> built -> staged. A failed gate leaves the row `failed` with the report, never
+`staged`; `--skip-gate REASON` records the reason instead of a report.
 
 Layout of a finished version (the node-local cache a replica reads at disk speed):
     <engines_dir>/<model>/<version>/weights/            converted weights + MANIFEST.json (sha256 per file)
@@ -21,10 +23,11 @@ from typing import Any
 
 from common.settings import Settings
 
-from build_engines import cpu, stage, triton_repo, trtllm
+from build_engines import cpu, gate_engine, stage, triton_repo, trtllm
 from build_engines.layout import BuildResult, artefacts_ok, clean_stale_partials, store_uri, version_dir
 from build_engines.plan import (SMOLLM2_ALIAS, BuildError, BuildOptions, BuildPlan, check_options,
                                 inputs_fingerprint, inspect_checkpoint, precheck_checkpoint, resolve)
+from build_engines.quality_gate import GateOptions, skipped_report, summary
 from build_engines.register import Registration, check_existing, read_row
 
 TOOL_VERSION = "build-engines 0.2"
@@ -88,15 +91,36 @@ def link_or_copy_tree(src: Path, dst: Path, label: str) -> str:
         return "copy"
 
 
-def build(opts: BuildOptions, settings: Settings, db_url: str | None = None) -> BuildResult:
-    """Run one build; raises BuildError for bad input (before any work) or a failed step (row -> failed)."""
+class GateFailed(RuntimeError):
+    """The converted version does not compute what its checkpoint computes (the report says how far off)."""
+
+
+def quality_gate(settings: Settings, plan: BuildPlan, sha: str, conv: Path, weights_sha256: str,
+                 gate: GateOptions) -> dict[str, Any]:
+    """The gate's report for this cpu build (or the skip record)."""
+    if gate.skip_reason:
+        stage.console.print(f"[yellow]quality gate skipped: {gate.skip_reason}[/yellow]", highlight=False)
+        return skipped_report(gate.skip_reason)
+    report = gate_engine.cpu_gate(plan.ckpt.path, sha, conv, weights_sha256, plan.dtype, gate, settings.cache_dir)
+    stage.console.print(("[green]" if report["passed"] else "[red]") + summary(report) + "[/]", highlight=False)
+    return report
+
+
+def build(opts: BuildOptions, settings: Settings, db_url: str | None = None,
+          gate: GateOptions | None = None, calib_dataset: str | None = None) -> BuildResult:
+    """Run one build; raises BuildError for bad input (before any work) or a failed step (row -> failed),
+    including a failed quality gate (`gate`: how it runs; default GateOptions()). `calib_dataset`: the trtllm
+    target's local calibration folder (default the shipped build_engines/calib)."""
     db_url = db_url or settings.db_url
+    gate = gate or GateOptions()
+    if calib_dataset and opts.target != "trtllm":
+        raise BuildError("--calib-dataset", "only the trtllm target calibrates (fp8); the cpu target takes none")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     check_options(opts)
     ckpt_path, alias = precheck_checkpoint(opts.checkpoint)
     if opts.target == "trtllm":
-        return trtllm.build_trtllm(opts, settings, db_url)
+        return trtllm.build_trtllm(opts, settings, db_url, gate, calib_dataset)
     sha = stage.checkpoint_sha256(ckpt_path, settings.cache_dir / "checksums.json")
     timings["checksum_s"] = time.perf_counter() - t0
     hint = conversion_cache_dir(settings, alias, sha, "bf16")  # same config.json whatever the dtype
@@ -110,6 +134,9 @@ def build(opts: BuildOptions, settings: Settings, db_url: str | None = None) -> 
                           f"  convert {plan.ckpt.path} -> {conversion_cache_dir(settings, alias, sha, plan.dtype)} "
                           f"({plan.dtype} safetensors + tokenizer + config; reused when cached)",
                           f"  node-local copy -> {vdir}/weights, Triton repository -> {vdir}/model_repository",
+                          f"  quality gate: {gate.prompts} prompts x {gate.gen_tokens} tokens vs transformers fp32"
+                          + (f" SKIPPED ({gate.skip_reason})" if gate.skip_reason else "")
+                          + " (failed -> registered failed)",
                           f"  stage -> {uri}; register status building -> built -> staged",
                           f"  max_context {plan.max_context}, inputs sha256 {fingerprint}"])
         return BuildResult("planned", opts.model, opts.version, message="dry run: nothing done", plan_text=text)
@@ -154,6 +181,12 @@ def build(opts: BuildOptions, settings: Settings, db_url: str | None = None) -> 
             build_info.update(weights_sha256=stage.tree_digest(manifest), files=manifest,
                               repository_sha256=stage.tree_digest(repo_manifest))
             reg.update("built", build_info=build_info)
+            step = "quality gate"
+            t = time.perf_counter()
+            report = quality_gate(settings, plan, sha, conv, build_info["weights_sha256"], gate)
+            timings["quality_gate_s"] = time.perf_counter() - t
+            if not report["passed"] and not report.get("skipped"):
+                raise GateFailed(summary(report))
             step = "stage to weights store"
             t = time.perf_counter()
             stage.stage_to_store(partial / "weights", uri, manifest)
@@ -164,18 +197,24 @@ def build(opts: BuildOptions, settings: Settings, db_url: str | None = None) -> 
             build_info["finished_at"] = datetime.now(timezone.utc).isoformat()
             timings.update({k: round(v, 3) for k, v in timings.items()})
             reg.update("staged", repository_path=str(vdir / "model_repository"), weights_uri=uri,
-                       build_info=build_info)
+                       build_info=build_info, quality_gate=report)
         except BaseException as exc:
             why = "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit)) else type(exc).__name__
-            reg.fail(f"{why} during {step}: {exc}", build_info)
+            if isinstance(exc, GateFailed):
+                reg.fail(str(exc), build_info, quality_gate=report)
+            else:
+                reg.fail(f"{why} during {step}: {exc}", build_info)
             shutil.rmtree(partial, ignore_errors=True)
+            if isinstance(exc, GateFailed):
+                raise BuildError(step, f"{exc}; {opts.model} version {opts.version} is registered failed "
+                                       "with the report") from exc
             if isinstance(exc, Exception) and not isinstance(exc, BuildError):
                 raise BuildError(step, f"{type(exc).__name__}: {exc}") from exc
             raise
     row = read_row(db_url, opts.model, opts.version)
     return BuildResult("built", opts.model, opts.version, row,
                        f"{opts.model} version {opts.version} staged in {timings['total_s']:.1f} s "
-                       f"(conversion cache {'hit' if hit else 'miss'})",
+                       f"(conversion cache {'hit' if hit else 'miss'}; {summary(report)})",
                        files={"repository": str(vdir / "model_repository"), "weights": str(vdir / "weights"),
                               "weights_uri": uri})
 

@@ -20,6 +20,8 @@ from common.settings import load_settings
 
 from build_engines.plan import (BATCH_POLICIES, CPU_DTYPES, DEFAULT_LORA_MODULES, SMOLLM2_ALIAS, TARGETS,
                                 TRTLLM_DTYPES, BuildError, parse_options)
+from build_engines.quality_gate import (DEFAULT_GEN_TOKENS, DEFAULT_PROMPTS, THRESHOLD_KEYS, GateOptions,
+                                        load_eval_set, parse_threshold)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -43,6 +45,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the exact steps and configs; run nothing")
     p.add_argument("--db-url", help="registry URL (default FLEET_DB_URL or the local SQLite file)")
     p.add_argument("--json", action="store_true", help="print the registry row as JSON on stdout")
+    q = p.add_argument_group("quality gate (docs/build_engines.md: the converted engine vs the checkpoint's own "
+                             "transformers run in fp32 on the shipped evaluation set)")
+    q.add_argument("--gate-prompts", type=int, default=DEFAULT_PROMPTS,
+                   help=f"evaluation prompts to score (default {DEFAULT_PROMPTS}, sized for CI; the set has "
+                        f"{len(load_eval_set())})")
+    q.add_argument("--gate-tokens", type=int, default=DEFAULT_GEN_TOKENS,
+                   help=f"reference continuation tokens scored per prompt (default {DEFAULT_GEN_TOKENS})")
+    q.add_argument("--gate-threshold", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"override one of the dtype's thresholds, KEY in {', '.join(THRESHOLD_KEYS)} (repeatable)")
+    q.add_argument("--skip-gate", metavar="REASON", default="",
+                   help="build without the gate; REASON (at least 10 characters) is recorded in the registry and "
+                        "the audit log, and the version cannot ramp past the gated percentage without an "
+                        "operator override")
     g = p.add_argument_group("trtllm engine options")
     g.add_argument("--max-batch-size", type=int, default=64)
     g.add_argument("--max-num-tokens", type=int, default=8192)
@@ -60,9 +75,27 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="KV cache precision, decided apart from the weights: auto = the activation dtype; fp8 "
                         "halves KV memory (ModelOpt calibrates its scales; check accuracy on your evals)")
+    g.add_argument("--calib-dataset", metavar="DIR",
+                   help="fp8 calibration set: a local folder whose `train` split has a `text` column (ModelOpt's "
+                        "local-dataset form; default the shipped build_engines/calib, so an air-gapped GPU node "
+                        "downloads nothing)")
     g.add_argument("--trtllm-examples", help="TensorRT-LLM examples folder (default $TRTLLM_EXAMPLES_DIR or "
                                              "/opt/TensorRT-LLM/examples)")
     return p
+
+
+def gate_options(args: argparse.Namespace) -> GateOptions:
+    """GateOptions from the flags; a bad value is a BuildError naming the flag (exit status 2)."""
+    reason = args.skip_gate.strip()
+    if args.skip_gate and len(reason) < 10:
+        raise BuildError("--skip-gate", f"the reason {reason!r} is too short; say why the gate is skipped "
+                                        "(at least 10 characters), it is recorded with the version")
+    try:
+        return GateOptions(prompts=args.gate_prompts, gen_tokens=args.gate_tokens,
+                           thresholds=dict(parse_threshold(t) for t in args.gate_threshold), skip_reason=reason)
+    except ValueError as exc:
+        flag, _, why = str(exc).partition(": ")
+        raise BuildError(flag, why) from None
 
 
 def _raise_interrupt(signum: int, _frame: Any) -> None:
@@ -75,12 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     from build_engines.stage import console
 
     settings = load_settings()
-    fields = {k: v for k, v in vars(args).items() if k not in ("db_url", "json")}
+    gate_flags = ("gate_prompts", "gate_tokens", "gate_threshold", "skip_gate", "calib_dataset")
+    fields = {k: v for k, v in vars(args).items() if k not in ("db_url", "json", *gate_flags)}
     fields["lora_target_modules"] = tuple(fields["lora_target_modules"])
     signal.signal(signal.SIGTERM, _raise_interrupt)  # a killed build records `failed`, never half-staged
     try:
         opts = parse_options(**fields)
-        result = build(opts, settings, args.db_url)
+        gate = gate_options(args)
+        result = build(opts, settings, args.db_url, gate, args.calib_dataset)
     except BuildError as exc:
         console.print(f"[bold red]build-engines: error:[/bold red] {exc}", highlight=False)
         return 2 if exc.field.startswith("--") else 1

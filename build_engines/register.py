@@ -72,16 +72,26 @@ class Registration:
             upsert_model_version(s, self.model, self.version, **fields)
             set_model_status(s, self.model, self.version, status, reason)
             audit(s, ACTOR, f"build_{status}", f"{self.model}/{self.version}", None,
-                  {"status": status, "reason": reason} | {k: v for k, v in fields.items() if k != "build_info"})
+                  {"status": status, "reason": reason} | {k: _audited(k, v) for k, v in fields.items()
+                                                            if k != "build_info"})
 
-    def fail(self, reason: str, build_info: dict[str, Any] | None = None) -> None:
-        """Mark the version failed with `reason`; never raises (it runs while handling another error)."""
+    def fail(self, reason: str, build_info: dict[str, Any] | None = None, **fields: Any) -> None:
+        """Mark the version failed with `reason` (and `fields`, e.g. the quality-gate report); never raises (it
+        runs while handling another error)."""
         try:
-            fields = {"build_info": build_info} if build_info is not None else {}
+            if build_info is not None:
+                fields["build_info"] = build_info
             self.update("failed", reason[:2000], **fields)
         except Exception as exc:  # noqa: BLE001 - the original error matters more
             from build_engines.stage import console
             console.print(f"[red]could not record the failure in the registry: {exc}[/red]")
+
+
+def _audited(key: str, value: Any) -> Any:
+    """The audit row keeps the gate's verdict and numbers, not the whole report."""
+    if key == "quality_gate" and isinstance(value, dict):
+        return {k: value.get(k) for k in ("passed", "skipped", "skip_reason", "metrics", "failures") if k in value}
+    return value
 
 
 def read_row(db_url: str, model: str, version: str) -> dict[str, Any] | None:
@@ -92,4 +102,4 @@ def read_row(db_url: str, model: str, version: str) -> dict[str, Any] | None:
             return None
         return {c: getattr(row, c) for c in ("name", "version", "weights_uri", "dtype", "tensor_parallel",
                                              "max_context", "engine_kind", "status", "status_reason",
-                                             "repository_path", "build_info")}
+                                             "repository_path", "build_info", "quality_gate")}

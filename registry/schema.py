@@ -44,6 +44,9 @@ class ModelVersion(Base):
     status_reason: Mapped[str] = mapped_column(Text, default="")
     repository_path: Mapped[str] = mapped_column(Text, default="")
     build_info: Mapped[dict] = mapped_column(JSON, default=dict)
+    # the build's quality-gate report (build_engines.quality_gate): passed, metrics, thresholds, eval-set sha256;
+    # None for versions built before the gate existed. The rollout rule reads `passed` (router_service.rollout).
+    quality_gate: Mapped[dict | None] = mapped_column(JSON, nullable=True, default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -18,10 +18,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from registry import queries
 from registry.admin_tokens import AdminIdentity, match_admin_token
 from registry.db import session_scope
+from registry.quality import gate_reports
 from registry.warm_buffers import set_warm_buffer
 from router_service.admin_budgets_rules import register_budget_and_rule_routes
 from router_service.core import Router
 from router_service.errors import RouterError
+from router_service.rollout import DEFAULT_GATE_PERCENT, ramp_gate_problems
+
+
+OVERRIDE_FIELD = Field(default=None, min_length=10, max_length=500,
+                       description="operator's reason to ramp past the gated percentage without a passed quality "
+                                   "gate; recorded in the audit log (action quality_gate_override)")
 
 
 class RolloutBody(BaseModel):
@@ -29,6 +36,7 @@ class RolloutBody(BaseModel):
     version: str | None = None
     percent: int | None = Field(default=None, ge=0, le=100)
     split: dict[str, int] | None = None
+    override_quality_gate: str | None = OVERRIDE_FIELD
 
 
 class WarmBufferBody(BaseModel):
@@ -43,6 +51,7 @@ class WarmBufferBody(BaseModel):
 class VersionBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: str
+    override_quality_gate: str | None = OVERRIDE_FIELD
 
 
 def admin_router(router: Router) -> APIRouter:
@@ -103,6 +112,37 @@ def admin_router(router: Router) -> APIRouter:
                               "note": r.note()} for r in ready if r.percent or r.effective],
                 "notes": [r.note() for r in ready if r.percent or r.effective]}
 
+    gate_percent = getattr(router, "rollout_gate_percent", DEFAULT_GATE_PERCENT)
+
+    def gated_routes(s, name: str, split: dict[str, int], actor: str, override: str | None) -> bool:
+        """set_routes under the promotion rule (router_service.rollout.ramp_gate_problems): refused with the
+        reason, or allowed by an operator's override that the audit log records next to the route change."""
+        before = queries.routes_for(s, name)
+        gates = gate_reports(s, name, list(split))
+        if set(split) - set(gates):  # an unknown version: set_routes refuses it with the known versions
+            return queries.set_routes(s, name, split, actor=actor)
+        problems = ramp_gate_problems(before, split, gates, gate_percent)
+        note = None
+        if problems and not override:
+            raise queries.RegistryError(
+                "; ".join(problems) + f". Ramping past {gate_percent} % needs a passed quality gate "
+                f"(build-engines runs it; GET /admin/models/{name}/rollout shows the reports), or an operator "
+                "override: send override_quality_gate with the reason (audited)")
+        if problems:
+            note = {"quality_gate_override": {"reason": override, "problems": problems}}
+            queries.audit(s, actor, "quality_gate_override", name, {"routes": before},
+                          {"routes": {v: p for v, p in split.items() if p}, "reason": override,
+                           "problems": problems, "gate_percent": gate_percent})
+        return queries.set_routes(s, name, split, actor=actor, note=note)
+
+    def quality(name: str) -> dict:
+        """The gate reports of the versions that take (or are set to take) traffic, side by side."""
+        snap = router.registry.snapshot
+        versions = sorted(set(snap.routes.get(name, {})) | {v for v, m in snap.models.get(name, {}).items()
+                                                            if m.status in queries.ROUTABLE_STATUSES})
+        return {"gate_percent": gate_percent,
+                "versions": _in_session(db_url, lambda s: gate_reports(s, name, versions))}
+
     @api.get("/models/{name}/rollout")
     async def rollout_view(name: str, request: Request):
         role_of(request, "viewer")
@@ -110,7 +150,9 @@ def admin_router(router: Router) -> APIRouter:
         if name not in snap.models:
             raise RouterError("not_found", f"model {name!r} is not registered; known models: "
                                            f"{', '.join(sorted(snap.models)) or 'none'}")
-        return {"model": name, "routes": snap.routes.get(name, {}), "rollout": rollout_status(name)}
+        gates = await asyncio.to_thread(quality, name)
+        return {"model": name, "routes": snap.routes.get(name, {}), "rollout": rollout_status(name),
+                "quality_gate": gates}
 
     @api.post("/models/{name}/rollout")
     async def rollout(name: str, body: RolloutBody, request: Request):
@@ -125,7 +167,7 @@ def admin_router(router: Router) -> APIRouter:
                 raise RouterError("invalid_argument", str(exc)) from exc
         else:
             raise RouterError("invalid_argument", "send {version, percent} or {split: {version: percent}}")
-        changed = await write(lambda s: queries.set_routes(s, name, split, actor=actor))
+        changed = await write(lambda s: gated_routes(s, name, split, actor, body.override_quality_gate))
         return {"model": name, "routes": {v: p for v, p in split.items() if p}, "changed": changed,
                 "rollout": rollout_status(name)}
 
@@ -134,7 +176,7 @@ def admin_router(router: Router) -> APIRouter:
         actor = role_of(request, "operator")
 
         def do(s):
-            queries.set_routes(s, name, {body.version: 100}, actor=actor)
+            gated_routes(s, name, {body.version: 100}, actor, body.override_quality_gate)
             queries.set_model_status(s, name, body.version, "serving")
         await write(do)
         return {"model": name, "routes": {body.version: 100}, "rollout": rollout_status(name)}

@@ -10,8 +10,9 @@ stands and requests wait for starting replicas or fail fast (see `replica_set.Re
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from registry.queries import ROUTABLE_STATUSES
 from router_service.registry_cache import ReplicaInfo, Snapshot
@@ -62,6 +63,27 @@ def shift_by_readiness(split: dict[str, int], ready: dict[str, tuple[int, int]])
             own = {v: float(split.get(v, 0)) for v in ready}
     return [VersionReadiness(v, split.get(v, 0), r, max(1, n), round(own[v], 3))
             for v, (r, n) in sorted(ready.items())]
+
+
+DEFAULT_GATE_PERCENT = 10  # FLEET_ROUTER_ROLLOUT_GATE_PERCENT: a version may take at most this share ungated
+
+
+def ramp_gate_problems(before: Mapping[str, int], after: Mapping[str, int],
+                       gates: Mapping[str, Mapping[str, Any]], limit: int) -> list[str]:
+    """The promotion rule: a version whose share grows past `limit` % needs a passed quality gate (`gates`:
+    version -> registry.quality.gate_summary). Lowering a share, or a version already above the limit not
+    growing, is never refused (rolling back must always work). Empty = allowed."""
+    problems = []
+    for version, percent in sorted(after.items()):
+        if percent <= limit or percent <= before.get(version, 0):
+            continue
+        gate = gates.get(version) or {}
+        if gate.get("passed") is True:
+            continue
+        why = "; ".join(gate.get("failures") or ["no quality-gate report"])
+        problems.append(f"version {version!r} has no passed quality gate ({why}); it may take at most {limit} % "
+                        f"until it passes (asked {percent} %)")
+    return problems
 
 
 def pick_version(split: dict[str, float], sticky_key: str) -> str:

@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from router_service.batch_yield import DEFAULT_GRACE_S, BatchYield
 from router_service.gateway import DEFAULT_BURST, DEFAULT_RATE_PER_S, Gateway
 from router_service.replica_choice import ChoiceParams
+from router_service.rollout import DEFAULT_GATE_PERCENT
 from router_service.stream_guard import (DEFAULT_FIRST_TOKEN_S, DEFAULT_INTER_TOKEN_S, DEFAULT_SLOW_READER_S,
                                          DEFAULT_STREAM_QUEUE, StreamTimeouts, per_tier)
 
@@ -42,6 +43,9 @@ class RouterSettings(BaseSettings):
     inter_token_timeout_s: str = Field("", description="per tier, e.g. 'interactive=10,standard=15,batch=30'")
     stream_queue: int = Field(DEFAULT_STREAM_QUEUE, gt=0, description="gRPC stream responses queued for a reader")
     slow_reader_timeout_s: float = Field(DEFAULT_SLOW_READER_S, gt=0)
+    rollout_gate_percent: int = Field(DEFAULT_GATE_PERCENT, ge=0, le=100,
+                                      description="a version may take more than this share of its model's traffic "
+                                                  "only with a passed quality gate (or an audited operator override)")
 
     @field_validator("first_token_timeout_s", "inter_token_timeout_s")
     @classmethod

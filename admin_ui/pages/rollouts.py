@@ -63,6 +63,9 @@ if session.is_operator():
             version = st.selectbox("Version", routable, key="percent_version")
             percent = st.slider("Percent of traffic", 0, 100, int(split.get(version, 0)), step=1, key="percent_slider")
             st.caption("The other routed versions share the rest in proportion to their current percents.")
+            override = st.text_input("Override the quality gate (reason, audited)", key="gate_override",
+                                     max_chars=500, help="Only needed to ramp a version without a passed quality "
+                                     "gate past the router's gated percentage; the reason lands in the audit log.")
             box = st.container()
             new, problem = data.preview_split(split, version, percent)
             if new is None:
@@ -73,8 +76,9 @@ if session.is_operator():
                 preview(new, box)
                 if box.button("Apply percent…", key="apply_percent"):
                     st.session_state["pending"] = ("percent", model, version, percent)
-                confirm(("percent", model, version, percent), f"Route `{model}` as shown above?", box,
-                        lambda: session.client().set_percent(model, version, percent),
+                confirm(("percent", model, version, percent), f"Route `{model}` as shown above?"
+                        + (" The quality-gate override will be audited." if override.strip() else ""), box,
+                        lambda: session.client().set_percent(model, version, percent, override.strip()),
                         f"{model} v{version} set to {percent} %")
     with full:
         if len(routable) < 2:
@@ -145,6 +149,18 @@ if rules:
         "version", "armed", "max_error_rate", "max_ttft_ms_p95", "minutes", "armed_by", "armed_at", "fired_at",
         "fired_reason"], column_config={"max_error_rate": st.column_config.NumberColumn("max error rate",
                                                                                          format="percent")})
+
+st.subheader("Quality gate, version by version")
+gates = session.safe("quality gate reports (registry)", data.quality_gate_frame, model)
+gate_percent = (status or {}).get("quality_gate", {}).get("gate_percent")
+st.caption("Each version's build-time gate: our engine vs the checkpoint's transformers fp32 run on the shipped "
+           "evaluation set (greedy agreement, |logprob delta|, perplexity). "
+           + (f"A version takes more than {gate_percent} % of traffic only with a passed gate (an operator "
+              "override is audited)." if gate_percent is not None else ""))
+if gates is not None:
+    st.dataframe(gates, hide_index=True, width="stretch", column_config={
+        "route_percent": st.column_config.ProgressColumn("traffic %", min_value=0, max_value=100, format="%d %%"),
+        "agreement": st.column_config.NumberColumn("agreement", format="%.3f")})
 
 st.subheader("Versions side by side")
 w1, w2 = st.columns([2, 5])

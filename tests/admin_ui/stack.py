@@ -25,6 +25,7 @@ from router_service.core import Router
 from router_service.http_frontend import create_app
 from router_service.registry_cache import RegistryCache
 from usage import store
+from tests.admin_ui.gate_reports import gate_report
 
 OPERATOR_TOKEN, VIEWER_TOKEN = "fa-test-operator", "fv-test-viewer"
 MODEL = "smollm2-135m"
@@ -53,9 +54,11 @@ def seed_registry(db_url: str) -> None:
     migrate(db_url)
     with session_scope(db_url) as s:
         queries.upsert_model_version(s, MODEL, "1", status="serving", max_context=2048, engine_kind="cpu",
-                                     build_info={"builder": "build_engines cpu", "git": "abc123"})
+                                     build_info={"builder": "build_engines cpu", "git": "abc123"},
+                                     quality_gate=gate_report(0.97))
         queries.upsert_model_version(s, MODEL, "2", status="staged", max_context=2048, engine_kind="cpu",
-                                     build_info={"builder": "build_engines cpu", "git": "def456"})
+                                     build_info={"builder": "build_engines cpu", "git": "def456"},
+                                     quality_gate=gate_report(0.95))
         queries.set_routes(s, MODEL, {"1": 100}, actor="seed")
         for i, version in enumerate(("1", "1", "2")):
             queries.upsert_replica(s, f"{MODEL}-v{version}-r{i}", model=MODEL, version=version, region="local",

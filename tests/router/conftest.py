@@ -10,19 +10,21 @@ from sqlalchemy.orm import Session
 
 from registry import queries
 from registry.db import migrate, session_scope
+from tests.admin_ui.gate_reports import gate_report
 
 MODEL = "m"
 
 
 def seed_registry(db_url: str, versions: Iterable[str] = ("1",), replicas: Iterable[tuple[str, str]] = (),
                   extra: Callable[[Session], None] | None = None, weights_uri: str = "") -> None:
-    """Migrate, add `m`'s versions (serving, context 2048) routed 100 % to the first, add replicas
-    (id, region) of version 1, then run `extra(session)` for what a test needs beyond that."""
+    """Migrate, add `m`'s versions (serving, context 2048, a passed quality gate) routed 100 % to the first, add
+    replicas (id, region) of version 1, then run `extra(session)` for what a test needs beyond that."""
     migrate(db_url)
     versions = list(versions)
     with session_scope(db_url) as s:
         for v in versions:
-            queries.upsert_model_version(s, MODEL, v, status="serving", max_context=2048, weights_uri=weights_uri)
+            queries.upsert_model_version(s, MODEL, v, status="serving", max_context=2048, weights_uri=weights_uri,
+                                         quality_gate=gate_report(0.97))
         queries.set_routes(s, MODEL, {versions[0]: 100}, actor="seed")
         for replica_id, region in replicas:
             queries.upsert_replica(s, replica_id, model=MODEL, version=versions[0], region=region,
