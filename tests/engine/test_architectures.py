@@ -1,0 +1,133 @@
+"""Every family the engine serves computes what transformers computes: per architecture a tiny random checkpoint
+made here with transformers (no downloads; SmolLM2's tokenizer), converted by build-engines' cpu conversion,
+loaded by the engine from the converted folder, with the fused CPU kernels on and off.
+
+Checked per family: the architecture passes the build allow-list; prompt logits (teacher forcing) within
+LOGIT_TOL of transformers' fp32 logits; greedy ids equal to transformers' greedy generate for two prompts run
+together in chunked, mixed steps (prompts longer than the sliding windows, so windows bind in prefill and
+decode). Weights are scaled up (initializer_range) so random logits are not near-ties.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from build_engines import cpu
+from build_engines.plan import inspect_checkpoint, parse_options, resolve
+from python_backends.engine.config import EngineConfig
+from python_backends.engine.engine import LLMEngine
+from tests.engine.random_llama import prefill_logits, run_all
+
+LOGIT_TOL = 2e-4       # fp32: the same math in another order (fused QKV GEMM, kernels' roundings)
+NEW_TOKENS = 20
+WINDOW = 8             # sliding windows far below the prompts' lengths
+BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=128, max_position_embeddings=512, initializer_range=0.15, rms_norm_eps=1e-6,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FAMILIES = {
+    "llama-bias-gelu": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True, hidden_act="gelu",
+                                            tie_word_embeddings=False)),
+    "qwen2-tied-sharded": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen2-untied": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True)),
+    "mistral-window": ("MistralConfig", dict(sliding_window=WINDOW)),
+    "phi3-window": ("Phi3Config", dict(sliding_window=WINDOW, tie_word_embeddings=False)),
+    "gemma": ("GemmaConfig", dict(hidden_act="gelu_pytorch_tanh")),
+    "gemma2": ("Gemma2Config", dict(sliding_window=WINDOW, query_pre_attn_scalar=32,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", dict(sliding_window=WINDOW, query_pre_attn_scalar=32,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0},
+                                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                            "rope_theta": 1000000.0}})),
+}
+MEASURED: dict[str, dict] = {}
+
+
+def _hf_model(family: str, vocab: int):
+    import transformers
+    from transformers import AutoModelForCausalLM
+    config_cls, over = FAMILIES[family]
+    cfg = getattr(transformers, config_cls)(**{**BASE, **over, "vocab_size": vocab})
+    cfg._attn_implementation = "eager"       # the reference: soft-capping and windows as written
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).float().eval()
+
+
+@pytest.fixture(scope="module")
+def converted(smollm2_dir: Path, tmp_path_factory):
+    """family -> (transformers model, converted folder); each made once per module run."""
+    cache: dict[str, tuple] = {}
+    vocab = json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
+
+    def get(family: str):
+        if family not in cache:
+            root = tmp_path_factory.mktemp(family)
+            model = _hf_model(family, vocab)
+            ckpt = root / "checkpoint"
+            # the sharded save: model-0000x-of-0000y.safetensors + index, as large checkpoints ship
+            model.save_pretrained(ckpt, max_shard_size="2MB" if "sharded" in family else "2GB")
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                if (smollm2_dir / name).exists():
+                    shutil.copy(smollm2_dir / name, ckpt / name)
+            # what `build-engines --target cpu` runs: the allow-list (plan), then the conversion
+            plan = resolve(parse_options(model="m", version="v1", checkpoint=str(ckpt), dtype="fp32"),
+                           inspect_checkpoint(str(ckpt)))
+            assert plan.ckpt.config["architecture"] == model.config.architectures[0]
+            out = cpu.convert_checkpoint(ckpt, root / "converted", "fp32")
+            if "sharded" in family:
+                assert not (out / "model.safetensors").exists() and list(out.glob("model-*-of-*.safetensors"))
+            cache[family] = (model, out)
+        return cache[family]
+    return get
+
+
+def _engine(weights: Path, kernels: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(weights_dir=str(weights), dtype="fp32", cpu_kernels=kernels, max_context=256,
+                                  num_kv_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=24,
+                                  threads=1))
+
+
+@torch.inference_mode()
+def _hf_greedy(model, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                         min_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kernels", ["on", "off"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_transformers(converted, family: str, kernels: str):
+    from python_backends.engine import cpu_kernels
+    if kernels == "on" and cpu_kernels.load() is None:
+        pytest.skip("the fused CPU kernels could not be built on this machine")
+    torch.set_num_threads(1)
+    model, weights = converted(family)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 40000) for _ in range(n)] for n in (30, 19)]
+    eng = _engine(weights, kernels)
+    assert (eng.runner.kernels is not None) == (kernels == "on")
+    assert type(eng.runner.model).__name__.lower().startswith(family.split("-")[0].rstrip("0123456789")[:4])
+
+    with torch.inference_mode():
+        ref = model(torch.tensor([prompts[0]])).logits[0].float()
+    got = prefill_logits(_engine(weights, kernels), prompts[0])
+    delta = (got - ref).abs().max().item()
+    top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+
+    outs = run_all(eng, [(p, NEW_TOKENS, "") for p in prompts])
+    want = [_hf_greedy(model, p) for p in prompts]
+    agree = sum(a == b for o, w in zip(outs, want) for a, b in zip(o, w)) / (2 * NEW_TOKENS)
+    MEASURED[f"{family} kernels {kernels}"] = {"max_logit_delta": delta, "prefill_top1": top1,
+                                               "greedy_agreement": agree}
+    print(f"\n{family} kernels {kernels}: max |logit delta| {delta:.2e}, prefill top-1 {top1:.0%}, "
+          f"greedy agreement {agree:.0%}")
+    assert delta < LOGIT_TOL, f"{family}: logits differ by {delta}"
+    assert outs == want
