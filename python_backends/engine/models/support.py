@@ -23,9 +23,15 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                       "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+# config.json `model_type` -> architecture, for configs without `architectures` (AutoModelForCausalLM's mapping)
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+               "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 WHY_NOT = {  # refused families that users try first, with the reason
     "GPT2LMHeadModel": "GPT-2 uses learned absolute positions, LayerNorm and a fused c_attn Conv1D",
     "GPTNeoXForCausalLM": "GPT-NeoX uses LayerNorm, parallel attention/MLP residuals and partial rotary",
+    "gpt2": "GPT-2 uses learned absolute positions, LayerNorm and a fused c_attn Conv1D",
+    "gpt_neox": "GPT-NeoX uses LayerNorm, parallel attention/MLP residuals and partial rotary",
     "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (4B and up) wraps the text model in a vision "
                                       "model; convert its text model (Gemma3ForCausalLM) instead",
 }
@@ -43,7 +49,10 @@ class UnsupportedModel(ValueError):
 
 
 def architecture(cfg: dict[str, Any]) -> str:
-    return (cfg.get("architectures") or [cfg.get("architecture") or cfg.get("model_type") or "?"])[0]
+    if cfg.get("architectures"):
+        return cfg["architectures"][0]
+    kind = cfg.get("model_type") or cfg.get("architecture") or "?"
+    return MODEL_TYPES.get(kind, kind)
 
 
 def rope_types(cfg: dict[str, Any]) -> list[tuple[str, dict]]:
