@@ -22,6 +22,7 @@ from build_engines.plan import inspect_checkpoint, parse_options, resolve
 from python_backends.engine.config import EngineConfig
 from python_backends.engine.engine import LLMEngine
 from tests.engine.random_llama import prefill_logits, run_all
+from tests.engine.test_triton_engine import router_stub  # noqa: F401  (the fixture: a state-report sink)
 
 LOGIT_TOL = 2e-4       # fp32: the same math in another order (fused QKV GEMM, kernels' roundings)
 NEW_TOKENS = 20
@@ -135,3 +136,29 @@ def test_family_matches_transformers(converted, family: str, kernels: str):
           f"greedy agreement {agree:.0%}")
     assert delta < LOGIT_TOL, f"{family}: logits differ by {delta}"
     assert outs == want
+
+
+@pytest.mark.integration
+def test_qwen2_served_by_a_real_replica_matches_transformers(converted, settings, router_stub, tmp_path):
+    """The converted Qwen2 checkpoint behind a real tritonserver (the `engine` model): streamed greedy ids equal
+    transformers' generate."""
+    from build_engines.triton_repo import cpu_values, render_repository
+    from common.processes import free_port, stop_pid
+    from common.services import start_triton
+    from tests.engine.test_triton_engine import _inputs, _stream
+
+    model, weights = converted("qwen2-untied")
+    (tmp_path / "adapters").mkdir()
+    repo = render_repository(tmp_path / "repo", cpu_values(weights, tmp_path / "adapters", 256, "fp32"),
+                             steps=("engine",))
+    base = free_port()
+    env = {"FLEET_ENGINE_DTYPE": "fp32", "FLEET_ENGINE_NUM_KV_BLOCKS": "64", "FLEET_ROUTER_URLS": router_stub,
+           "FLEET_REPLICA_ID": "qwen2-replica", "FLEET_MODEL": "byo-qwen2", "FLEET_VERSION": "1"}
+    proc = start_triton(settings, repo, base, tmp_path / "triton.log", extra_env=env)
+    try:
+        prompt = [random.Random(11).randrange(3, 40000) for _ in range(25)]
+        responses = _stream(f"127.0.0.1:{base + 1}", "engine", _inputs(prompt, NEW_TOKENS), {"llm_priority": 0})
+        ids = [int(t) for r in responses for t in r.as_numpy("output_ids").reshape(-1)]
+    finally:
+        stop_pid(proc.pid)
+    assert ids == _hf_greedy(model, prompt)
