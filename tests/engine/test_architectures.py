@@ -143,6 +143,23 @@ def test_family_matches_transformers(converted, family: str, kernels: str):
     assert outs == want
 
 
+def test_engine_refuses_an_unsupported_folder_at_load(converted, tmp_path):
+    """A folder copied in by hand (never through build-engines) is refused when the engine loads it, naming the
+    field, not served wrong."""
+    from python_backends.engine.models.support import UnsupportedModel
+    _, weights = converted("qwen2-untied")
+    for over, field in (({"architectures": ["GPTNeoXForCausalLM"]}, "architectures"),
+                        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
+                         "rope_parameters.rope_type")):
+        folder = tmp_path / field
+        shutil.copytree(weights, folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, **over}))
+        with pytest.raises(UnsupportedModel) as err:
+            _engine(folder, "off")
+        assert err.value.field == field and "supported:" in str(err.value)
+
+
 @pytest.mark.integration
 def test_qwen2_served_by_a_real_replica_matches_transformers(converted, settings, router_stub, tmp_path):
     """The converted Qwen2 checkpoint behind a real tritonserver (the `engine` model): streamed greedy ids equal
