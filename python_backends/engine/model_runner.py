@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from python_backends.engine import cpu_attention, cpu_kernels, paged_attention
 from python_backends.engine.models import model_for
-from python_backends.engine.models.layers import KernelOps, TorchOps, softcap
+from python_backends.engine.models.layers import KernelOps, TorchOps
 from python_backends.engine.batch import DecodeGroup, ForwardBatch, SeqChunk
 from python_backends.engine.device import (PackedLinear, Staging, choose_bf16_gemm, cpu_matmul_kind,
                                            kv_blocks_for_memory)
@@ -335,18 +335,19 @@ class ModelRunner:
         return y
 
     def attention(self, li: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """q [T, H, D] of the step's tokens (K/V already in the pool) -> [T, H * D], scaled by D**-0.5."""
-        if self.masked[li]:
-            return self._masked_attention(li, q, batch)
+        """q [T, H, D] of the step's tokens (K/V already in the pool) -> [T, H * D], scaled by D**-0.5.
+        Layers with a binding sliding window or a logit soft-cap (CPU only) take cpu_attention.masked_attention
+        over the same gathered blocks, the window cut into the masks as transformers does (k > q - window)."""
         T = q.shape[0]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         kc, vc = self.k_cache[li], self.v_cache[li]
         if self.paged:
             return paged_attention.paged_attention(q, kc, vc, batch.block_tables, batch.tok_seq, batch.positions,
                                                    self.block_size).view(T, H * D)
+        masked, window, cap = self.masked[li], self.windows[li], self.attn_softcap
         outs = []
         nd = batch.n_decode
-        if nd and self.cpu_paged:
+        if nd and self.cpu_paged:                    # never for a model with masked layers
             outs.append(self.kernels.decode_attention(q[:nd].reshape(nd, H * D), kc, vc, batch.decode_tables,
                                                       batch.decode_lens, self.block_size, D ** -0.5))
         elif nd:
@@ -356,47 +357,26 @@ class ModelRunner:
                 rows = qg.shape[0]
                 kd = self._gather(kc, group.gather, self.gather_k).view(KV, rows, -1, D)   # [KV, rows, L, D]
                 vd = self._gather(vc, group.gather, self.gather_v).view(KV, rows, -1, D)
-                # GQA without repeating K/V; SDPA or batched matmuls, whichever this machine runs faster
-                parts.append(self.decode_attention(qg, kd, vd, group.mask))
+                if masked:
+                    mask = group.mask                   # [rows, 1, 1, L]; keys at positions 0..length-1
+                    if window is not None:
+                        mask = mask & (torch.arange(mask.shape[-1]) >= mask.sum(-1, keepdim=True) - window)
+                    parts.append(cpu_attention.masked_attention(qg.unsqueeze(2), kd.transpose(0, 1),
+                                                                vd.transpose(0, 1), mask, cap).reshape(rows, H * D))
+                else:   # GQA without repeating K/V; SDPA or batched matmuls, whichever this machine runs faster
+                    parts.append(self.decode_attention(qg, kd, vd, group.mask))
             outs.append(parts[0] if len(parts) == 1 else torch.cat(parts).index_select(0, batch.decode_order))
         if T > nd:
             qp = q[nd:].transpose(0, 1).unsqueeze(0)                    # [1, H, n, D]
             kp = self._gather(kc, batch.prefill_blocks, self.gather_k).view(1, KV, -1, D)
             vp = self._gather(vc, batch.prefill_blocks, self.gather_v).view(1, KV, -1, D)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.prefill_mask, enable_gqa=True)
-            outs.append(op[0].transpose(0, 1).reshape(T - nd, H * D))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _masked_attention(self, li: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """CPU attention with a sliding window and/or a logit soft-cap (Mistral, Phi-3, Gemma 2/3): the same
-        gathered blocks and masks as the plain path, the window cut into the mask, scores in fp32."""
-        T = q.shape[0]
-        H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        kc, vc = self.k_cache[li], self.v_cache[li]
-        window = self.windows[li]
-        outs = []
-        nd = batch.n_decode
-        if nd:
-            parts = []
-            for group in batch.decode_groups:
-                qg = q[:nd] if group.rows is None else q[:nd].index_select(0, group.rows)
-                rows = qg.shape[0]
-                kd = self._gather(kc, group.gather, self.gather_k).view(KV, rows, -1, D).transpose(0, 1)
-                vd = self._gather(vc, group.gather, self.gather_v).view(KV, rows, -1, D).transpose(0, 1)
-                mask = group.mask                                       # [rows, 1, 1, L]
+            if masked:
+                mask = batch.prefill_mask
                 if window is not None:
-                    length = mask.sum(-1, keepdim=True)                 # keys = positions 0..length-1
-                    mask = mask & (torch.arange(mask.shape[-1]) >= length - window)
-                parts.append(_attend(qg.unsqueeze(2), kd, vd, mask, self.attn_softcap).reshape(rows, H * D))
-            outs.append(parts[0] if len(parts) == 1 else torch.cat(parts).index_select(0, batch.decode_order))
-        if T > nd:
-            qp = q[nd:].transpose(0, 1).unsqueeze(0)                    # [1, H, n, D]
-            kp = self._gather(kc, batch.prefill_blocks, self.gather_k).view(1, KV, -1, D)
-            vp = self._gather(vc, batch.prefill_blocks, self.gather_v).view(1, KV, -1, D)
-            mask = batch.prefill_mask
-            if window is not None:
-                mask = mask & (batch.prefill_key_pos.unsqueeze(0) > batch.prefill_q_pos.unsqueeze(1) - window)
-            op = _attend(qp, kp, vp, mask, self.attn_softcap)
+                    mask = mask & (batch.prefill_key_pos.unsqueeze(0) > batch.prefill_q_pos.unsqueeze(1) - window)
+                op = cpu_attention.masked_attention(qp, kp, vp, mask, cap)
+            else:
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.prefill_mask, enable_gqa=True)
             outs.append(op[0].transpose(0, 1).reshape(T - nd, H * D))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -416,14 +396,3 @@ class ModelRunner:
         """The family's forward; its layers run through the fused CPU kernels (KernelOps) where they are on."""
         return self.model.forward(self, batch, self.ops)
 
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-            cap: float | None) -> torch.Tensor:
-    """q [B, H, n, D], k/v [B, KV, L, D], mask broadcastable to [B, H, n, L] (True = attend) -> [B, H, n, D].
-    Eager attention as transformers computes it for soft-capped models: scores * D**-0.5, tanh cap, mask,
-    fp32 softmax."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5, cap)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
