@@ -97,10 +97,11 @@ class ModelRunner:
         self.attn_softcap = m.attn_softcap()
         self.masked = [w is not None or self.attn_softcap is not None for w in self.windows]
         if any(self.masked) and self.device.type == "cuda":
-            raise ValueError(f"{cfg.get('architectures')}: sliding_window={cfg.get('sliding_window')} below "
-                             f"max_context {max_context} or attn_logit_softcapping={self.attn_softcap} is not "
-                             "implemented by the CUDA paged attention; serve it on the CPU, or (window) with "
-                             "max_context <= sliding_window")
+            arch = cfg.get("architectures") or cfg.get("model_type")
+            why = (f"attn_logit_softcapping={self.attn_softcap}" if self.attn_softcap is not None else
+                   f"sliding_window={cfg.get('sliding_window')} below max_context {max_context}")
+            raise ValueError(f"{arch}: {why} is not implemented by the CUDA paged attention; serve it on the CPU"
+                             + ("" if self.attn_softcap is not None else ", or with max_context <= sliding_window"))
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_context // block_size)
         eos = cfg.get("eos_token_id")

@@ -101,3 +101,28 @@ def test_gguf_of_an_unsupported_architecture_is_refused(be_settings: Settings, s
     with pytest.raises(BuildError, match="architectures='gguf:gptneox'.*supported: LlamaForCausalLM"):
         build(opts, be_settings, sqlite_url)
     assert not Path(sqlite_url.removeprefix("sqlite:///")).exists()
+
+
+def test_accepted_family_is_built_staged_and_loads(be_settings: Settings, sqlite_url: str, tmp_path: Path,
+                                                   smollm2_dir: Path) -> None:
+    """A tiny random Qwen3 (transformers, SmolLM2's tokenizer) through the whole cpu build: staged, and the engine
+    loads the version's node-local weights as the Qwen3 family."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from build_engines.register import read_row
+    from python_backends.engine.model_runner import ModelRunner
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**SMALL, head_dim=16, tie_word_embeddings=True))
+    ckpt = tmp_path / "qwen3-tiny"
+    model.save_pretrained(ckpt)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, ckpt / name)
+    result = build(parse_options(model="byo-qwen3", version="1", checkpoint=str(ckpt), dtype="fp32"),
+                   be_settings, sqlite_url)
+    assert result.outcome == "built" and read_row(sqlite_url, "byo-qwen3", "1")["status"] == "staged"
+    runner = ModelRunner(Path(result.files["weights"]), "fp32", 8, 16, 64)
+    assert type(runner.model).__name__ == "Qwen3Model" and "q_norm" in runner.layers[0]

@@ -160,6 +160,16 @@ def test_engine_refuses_an_unsupported_folder_at_load(converted, tmp_path):
         assert err.value.field == field and "supported:" in str(err.value)
 
 
+@pytest.mark.parametrize("family,why", [("mistral-window", "sliding_window=8 below max_context 256"),
+                                        ("gemma2", "attn_logit_softcapping=5.0")])
+def test_windows_and_softcap_are_refused_on_cuda_with_the_reason(converted, family: str, why: str):
+    """The CUDA paged kernel has no window or soft-cap: refused at load, before any CUDA call (runs without a GPU)."""
+    from python_backends.engine.model_runner import ModelRunner
+    _, weights = converted(family)
+    with pytest.raises(ValueError, match=f"{why} is not implemented by the CUDA paged attention"):
+        ModelRunner(weights, "fp32", 16, 16, 256, device="cuda")
+
+
 @pytest.mark.integration
 def test_qwen2_served_by_a_real_replica_matches_transformers(converted, settings, router_stub, tmp_path):
     """The converted Qwen2 checkpoint behind a real tritonserver (the `engine` model): streamed greedy ids equal
