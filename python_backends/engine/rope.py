@@ -1,4 +1,4 @@
-"""Rotary position tables (cos, sin) for a Llama config, including Llama-3's `rope_scaling` (rope_type llama3).
+"""Rotary position tables (cos, sin) for a config: default, linear, and Llama-3's `rope_scaling` (rope_type llama3).
 
 Computed in fp32 and cast, as transformers does, so fp32 runs match it. Llama-3.x checkpoints rescale the low
 frequencies (long wavelengths) by `factor` and blend the band between low_freq_factor and high_freq_factor;
@@ -30,9 +30,11 @@ def inverse_frequencies(cfg: dict, head_dim: int) -> torch.Tensor:
     kind = rs.get("rope_type") or rs.get("type")
     if kind in (None, "default"):
         return inv_freq
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, llama3)")
     factor = float(rs["factor"])
+    if kind == "linear":                      # position interpolation (Gemma 3's global layers at 4B and up)
+        return inv_freq / factor
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, llama3, linear)")
     low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
     old_ctx = float(rs.get("original_max_position_embeddings", 8192))
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
