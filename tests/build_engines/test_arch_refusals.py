@@ -116,7 +116,9 @@ def test_accepted_family_is_built_staged_and_loads(be_settings: Settings, sqlite
     from python_backends.engine.model_runner import ModelRunner
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen3Config(**SMALL, head_dim=16, tie_word_embeddings=True))
+    # the tokenizer's whole vocabulary: the build's quality gate feeds it real prompts
+    config = Qwen3Config(**{**SMALL, "vocab_size": 49152}, head_dim=16, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config)
     ckpt = tmp_path / "qwen3-tiny"
     model.save_pretrained(ckpt)
     for name in ("tokenizer.json", "tokenizer_config.json"):
