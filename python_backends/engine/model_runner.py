@@ -29,12 +29,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from python_backends.engine import cpu_attention, cpu_kernels, paged_attention
-from python_backends.engine.models import model_for
-from python_backends.engine.models.layers import KernelOps, TorchOps
 from python_backends.engine.batch import DecodeGroup, ForwardBatch, SeqChunk
 from python_backends.engine.device import (PackedLinear, Staging, choose_bf16_gemm, cpu_matmul_kind,
                                            kv_blocks_for_memory)
 from python_backends.engine.lora import LoraManager
+from python_backends.engine.models import model_for
+from python_backends.engine.models.layers import KernelOps, TorchOps
 
 log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
