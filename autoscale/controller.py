@@ -106,7 +106,10 @@ class Controller:
         self.pools.append(pool)
         adopt = getattr(self.actuator, "adopt", None)
         if adopt is not None:  # take over replicas of the pool already serving
-            adopt(pool.spec)
+            try:
+                adopt(pool.spec)
+            except Exception:  # the pool is still managed: its next tick retries through counts/scale
+                log.exception("pool %s: adopting its replicas failed", pool.spec.name)
 
     def sync_pools(self) -> None:
         """Re-read which pools to manage (every tick when a `pools_source` is given): a newly routed version
