@@ -172,7 +172,7 @@ def drain(metrics_url: str, identity: dict[str, Any], admin_token: str | None, t
 def _drain_wait(metrics_url: str, identity: dict[str, Any], admin_token: str | None, timeout_s: float,
                 poll_s: float, reporter: StateReporter) -> bool:
     seen = MovedMetrics()
-    for router in (identity.get("admin_routers") or []) if admin_token else []:
+    for router in (identity.get("admin_routers") or identity.get("routers", [])) if admin_token else []:
         req = urllib.request.Request(f"{router}/admin/replicas/{identity['replica_id']}/drain", data=b"{}",
                                      method="POST", headers={"authorization": f"Bearer {admin_token}",
                                                              "content-type": "application/json"})
