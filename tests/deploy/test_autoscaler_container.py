@@ -7,7 +7,8 @@ validation; no kube-apiserver can run here). Linux namespaces (`unshare -mn`, as
 
 It must make a scale decision (the decisions file under FLEET_DATA_DIR: the write that crashed it), apply the
 pool `meta-llama/Llama-3.1-70B` version `v2+lora` under a name the API server accepts, and keep running while
-another pool's API calls fail (500)."""
+another pool's API calls fail (500). It leaves empty mount-point directories on the host (/data/fleet, the
+ServiceAccount folder under /var/run/secrets) where the image would have them."""
 from __future__ import annotations
 
 import datetime
@@ -28,10 +29,14 @@ from tests.deploy.test_manifests import render
 HOSTILE = ("meta-llama/Llama-3.1-70B", "v2+lora")
 BROKEN = ("broken-model", "1")
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-RUN_S = 12
+RUN_S = 15  # the manifest's 2 s interval: several ticks after start-up even on a loaded machine
+PG_SOCKET_DIR = Path("/var/run/postgresql")  # Debian's: the netns has no 127.0.0.1:5432 of the host
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("setpriv") is None,
-                                reason="needs root, unshare and setpriv (Linux namespaces stand in for a container runtime)")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("setpriv") is None
+    or not (PG_SOCKET_DIR / ".s.PGSQL.5432").exists(),
+    reason="needs root, unshare and setpriv (Linux namespaces stand in for a container runtime) and PostgreSQL's "
+           "unix socket")
 
 
 def _self_signed(folder: Path) -> tuple[Path, Path]:
@@ -122,7 +127,7 @@ def test_autoscaler_container_makes_and_survives_scale_decisions(work_dir, postg
             set_warm_buffer(s, model, version, min_idle_replicas=0, min_replicas=1, max_replicas=2,
                             slo_ttft_ms_p95=2000, slo_tokens_per_s=20, actor="test")
     db_name = postgres_url.rsplit("/", 1)[1]
-    socket_url = f"postgresql+psycopg://postgres@/{db_name}?host=/var/run/postgresql"
+    socket_url = f"postgresql+psycopg://postgres@/{db_name}?host={PG_SOCKET_DIR}"
     objects = render("cpu-dev")  # the overlay with a committed (dev) Secret
     overrides = {"db-url": socket_url}
     as_pod, autoscaler = _container(objects, "llm-autoscaler")
