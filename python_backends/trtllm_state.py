@@ -4,7 +4,8 @@ sends from inside (python_backends/engine/state_report.py), built here from the 
 Run next to each GPU replica (a second container in the pod): `python -m python_backends.trtllm_state`.
 `... trtllm_state drain` is the pod's preStop hook: it tells every router, by a signed state report with
 `draining: true` (the replica's own report key; no operator token in the pod), to stop admitting to this
-replica (and through the admin API too when FLEET_ADMIN_TOKEN is set, as local runs do), then waits until the backend's active-request metric and Triton's pending count of the ensemble are both 0
+replica (and through the admin API too when FLEET_ADMIN_TOKEN is set, as local runs do), then waits until the
+backend's active-request metric and Triton's pending count of the ensemble are both 0
 (`nv_inference_pending_request_count` alone excludes executing requests, so it would stop streams mid-way).
 Every interval it reads Triton's metrics endpoint and publishes, through the same sender as the CPU engine:
 - `kv_blocks_total` / `kv_blocks_free` / `block_size` from nv_trt_llm_kv_cache_block_metrics
@@ -26,9 +27,11 @@ import argparse
 import ipaddress
 import logging
 import socket
+import tempfile
 import time
 import urllib.parse
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -98,6 +101,12 @@ def scrape(url: str, timeout_s: float = 1.0) -> str:
 
 
 RESOLVE_EVERY_S = 5.0  # routers come and go (rolling update): re-resolve the headless name this often
+# set by `drain` (the preStop hook, another process of the same container): the report loop then says
+# `draining` too, so the routers never get a non-draining report from this replica during its drain
+
+
+def drain_marker(replica_id: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"fleet-draining-{replica_id.replace('/', '_')}"
 
 
 def expand_routers(urls: list[str]) -> list[str]:
@@ -136,6 +145,7 @@ def run(metrics_url: str, interval_s: float, identity: dict[str, Any], stop_afte
     while stop_after is None or time.monotonic() - started < stop_after:
         if time.monotonic() - resolved >= RESOLVE_EVERY_S:
             reporter.routers, resolved = expand_routers(configured), time.monotonic()  # one assignment: atomic
+        reporter.draining = reporter.draining or drain_marker(str(identity.get("replica_id"))).exists()
         try:
             values = parse(scrape(metrics_url))
             seen.observe(values)
@@ -160,13 +170,18 @@ def drain(metrics_url: str, identity: dict[str, Any], admin_token: str | None, t
     routers = expand_routers(identity.get("routers", [])) if announce else []
     reporter = StateReporter(dict(identity, routers=routers)).start()  # no routers: publishes go nowhere
     reporter.draining = True
-    if not announce:
+    marker = drain_marker(str(identity.get("replica_id")))
+    if announce:
+        marker.touch()
+    else:
         admin_token = None
         time.sleep(min(2.0, timeout_s))  # let the sidecar's draining report reach the routers first
     try:
         return _drain_wait(metrics_url, identity, admin_token, timeout_s, poll_s, reporter)
     finally:
         reporter.stop()
+        if announce:
+            marker.unlink(missing_ok=True)
 
 
 def _drain_wait(metrics_url: str, identity: dict[str, Any], admin_token: str | None, timeout_s: float,
