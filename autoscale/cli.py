@@ -182,6 +182,9 @@ def cmd_autoscale_run(args: argparse.Namespace) -> int:
     token = settings.operator_token()  # FLEET_ADMIN_TOKEN (a Secret in Kubernetes), else the data dir's file
     from autoscale.live_inputs import forecasts_from_usage
 
+    if args.history_weeks and not settings.usage_db_path.exists():  # say so: scaling ahead of load is off
+        log.warning("forecasting is off: no usage store at %s (in Kubernetes it is the loader's volume); scaling on "
+                    "live signals only", settings.usage_db_path)
     forecasts = forecasts_from_usage(settings.usage_db_path, pools, args.history_weeks) if args.history_weeks else {}
     controller = Controller(pools, actuator, args.router_url or settings.router_http_url, args.interval_s, admin_token=token,
                             forecasts=forecasts, pools_source=managed,

@@ -106,7 +106,10 @@ class Controller:
         self.pools.append(pool)
         adopt = getattr(self.actuator, "adopt", None)
         if adopt is not None:  # take over replicas of the pool already serving
-            adopt(pool.spec)
+            try:
+                adopt(pool.spec)
+            except Exception:  # the pool is still managed: its next tick retries through counts/scale
+                log.exception("pool %s: adopting its replicas failed", pool.spec.name)
 
     def sync_pools(self) -> None:
         """Re-read which pools to manage (every tick when a `pools_source` is given): a newly routed version
@@ -132,8 +135,11 @@ class Controller:
                 log.info("pool %s is no longer managed (not routed, no warm buffer): scaling it to zero", spec.name)
                 self.pools.remove(pool)
                 del self.policies[spec.name]
-                if self.actuator.counts(spec).total:
-                    self.actuator.scale(spec, 0)
+                try:
+                    if self.actuator.counts(spec).total:
+                        self.actuator.scale(spec, 0)
+                except Exception:
+                    log.exception("pool %s: scaling it to zero failed", spec.name)
 
     def _cold_start(self, pool: PoolConfig) -> float:
         measured = self.actuator.cold_start_s(pool.spec)
@@ -148,39 +154,52 @@ class Controller:
         self.sync_pools()
         out = []
         for pool in list(self.pools):
-            try:
-                sig = self.read(pool)
-            except Exception as exc:  # no signals: hold the current size rather than guess
-                log.warning("pool %s: cannot read signals (%s); holding", pool.spec.name, exc)
+            try:  # one pool's error (API 422, registry down, a full disk) never stops the others or the loop
+                decision = self._tick_pool(pool, now)
+            except Exception:
+                log.exception("pool %s: tick failed; the other pools go on and it is retried next tick",
+                              pool.spec.name)
                 continue
-            counts = self.actuator.counts(pool.spec)
-            slots = max(counts.serving, 1) * pool.max_running_per_replica
-            sig.load = max(sig.load, min(1.0, (sig.running + sig.waiting) / slots))
-            # batch demand: the batch requests queued in the router, due by their earliest deadline
-            state = PoolState(now, counts.serving, counts.starting, sig,
-                              batch_demand(sig, pool.replica_seconds_per_request))
-            desired = self.policies[pool.spec.name].decide(state)
-            decision = Decision(now, pool.spec.name, counts.serving, counts.starting, desired,
-                                {"load": round(sig.load, 3), "kv": round(sig.kv_utilisation, 3), "running": sig.running,
-                                 "waiting": sig.waiting, "ttft_p95_s": round(sig.ttft_p95_s, 3),
-                                 "queue_wait_p95_s": round(sig.queue_wait_p95_s, 3), "batch_waiting": sig.batch_waiting,
-                                 "batch_required": round(state.batch_required, 3)})
-            self.history.append(decision)
-            out.append(decision)
-            if desired != counts.total:
-                log.info("pool %s: %d serving + %d starting -> %d (load %.2f, kv %.2f, waiting %.0f, ttft p95 %.3f s, "
-                         "queue wait p95 %.3f s)", pool.spec.name, counts.serving, counts.starting, desired, sig.load,
-                         sig.kv_utilisation, sig.waiting, sig.ttft_p95_s, sig.queue_wait_p95_s)
-                self._record(decision, "scale up" if desired > counts.total else "scale down (drain)")
-                self.actuator.scale(pool.spec, desired)
+            if decision is not None:
+                out.append(decision)
         return out
+
+    def _tick_pool(self, pool: PoolConfig, now: float) -> Decision | None:
+        try:
+            sig = self.read(pool)
+        except Exception as exc:  # no signals: hold the current size rather than guess
+            log.warning("pool %s: cannot read signals (%s); holding", pool.spec.name, exc)
+            return None
+        counts = self.actuator.counts(pool.spec)
+        slots = max(counts.serving, 1) * pool.max_running_per_replica
+        sig.load = max(sig.load, min(1.0, (sig.running + sig.waiting) / slots))
+        # batch demand: the batch requests queued in the router, due by their earliest deadline
+        state = PoolState(now, counts.serving, counts.starting, sig,
+                          batch_demand(sig, pool.replica_seconds_per_request))
+        desired = self.policies[pool.spec.name].decide(state)
+        decision = Decision(now, pool.spec.name, counts.serving, counts.starting, desired,
+                            {"load": round(sig.load, 3), "kv": round(sig.kv_utilisation, 3), "running": sig.running,
+                             "waiting": sig.waiting, "ttft_p95_s": round(sig.ttft_p95_s, 3),
+                             "queue_wait_p95_s": round(sig.queue_wait_p95_s, 3), "batch_waiting": sig.batch_waiting,
+                             "batch_required": round(state.batch_required, 3)})
+        self.history.append(decision)
+        if desired != counts.total:
+            log.info("pool %s: %d serving + %d starting -> %d (load %.2f, kv %.2f, waiting %.0f, ttft p95 %.3f s, "
+                     "queue wait p95 %.3f s)", pool.spec.name, counts.serving, counts.starting, desired, sig.load,
+                     sig.kv_utilisation, sig.waiting, sig.ttft_p95_s, sig.queue_wait_p95_s)
+            self._record(decision, "scale up" if desired > counts.total else "scale down (drain)")
+            self.actuator.scale(pool.spec, desired)
+        return decision
 
     def _record(self, decision: Decision, reason: str) -> None:
         if self.decisions_path is None:
             return
-        self.decisions_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.decisions_path.open("a") as f:
-            f.write(json.dumps({**asdict(decision), "ts": time.time(), "reason": reason}) + "\n")
+        try:  # the record is for people; an unwritable path must not stop the scaling it records
+            self.decisions_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.decisions_path.open("a") as f:
+                f.write(json.dumps({**asdict(decision), "ts": time.time(), "reason": reason}) + "\n")
+        except OSError as exc:
+            log.warning("cannot record the decision in %s: %s", self.decisions_path, exc)
 
     def run(self, duration_s: float | None = None) -> None:
         """Tick every interval until stop() (or duration_s elapses)."""

@@ -2,8 +2,10 @@
 sends from inside (python_backends/engine/state_report.py), built here from the replica's Prometheus metrics.
 
 Run next to each GPU replica (a second container in the pod): `python -m python_backends.trtllm_state`.
-`... trtllm_state drain` is the pod's preStop hook: it asks every router to stop admitting to this replica, then
-waits until the backend's active-request metric and Triton's pending count of the ensemble are both 0
+`... trtllm_state drain` is the pod's preStop hook: it tells every router, by a signed state report with
+`draining: true` (the replica's own report key; no operator token in the pod), to stop admitting to this
+replica (and through the admin API too when FLEET_ADMIN_TOKEN is set, as local runs do), then waits until the
+backend's active-request metric and Triton's pending count of the ensemble are both 0
 (`nv_inference_pending_request_count` alone excludes executing requests, so it would stop streams mid-way).
 Every interval it reads Triton's metrics endpoint and publishes, through the same sender as the CPU engine:
 - `kv_blocks_total` / `kv_blocks_free` / `block_size` from nv_trt_llm_kv_cache_block_metrics
@@ -12,6 +14,9 @@ Every interval it reads Triton's metrics endpoint and publishes, through the sam
   or queued inside it); `waiting` from Triton's nv_inference_pending_request_count of the ensemble;
 - no prefix hashes: tensorrtllm_backend 0.17 does not expose TensorRT-LLM's KV-cache events, so the report
   says `prefix_hashes_reported: false` and the router keeps its own history of the prefixes it routed there.
+Reports go to every router: a URL in FLEET_ROUTER_URLS whose host name resolves to several addresses (in
+Kubernetes the headless Service `llm-router-internal`) is fanned out to one URL per address, re-resolved every
+few seconds, so each router gets each report (a ClusterIP would hand each report to one router only).
 A backend metric is used only once it has been seen to change: under Triton the backend's metrics can read 0
 for ever (tensorrtllm_backend issue 49), and a constant 0 "active" would make a busy replica look idle. Until a
 metric moves, its fields are left out and the router relies on its own in-flight counts.
@@ -19,9 +24,14 @@ metric moves, its fields are left out and the router relies on its own in-flight
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import socket
+import tempfile
 import time
+import urllib.parse
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -90,17 +100,56 @@ def scrape(url: str, timeout_s: float = 1.0) -> str:
         return resp.read().decode()
 
 
+RESOLVE_EVERY_S = 5.0  # routers come and go (rolling update): re-resolve the headless name this often
+# set by `drain` (the preStop hook, another process of the same container): the report loop then says
+# `draining` too, so the routers never get a non-draining report from this replica during its drain
+
+
+def drain_marker(replica_id: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"fleet-draining-{replica_id.replace('/', '_')}"
+
+
+def expand_routers(urls: list[str]) -> list[str]:
+    """One URL per address of each URL's host (a headless Service name -> every router pod); an IP literal or a
+    name that does not resolve is kept as it is."""
+    out: list[str] = []
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        try:
+            ipaddress.ip_address(host)
+            addresses = [host]
+        except ValueError:
+            try:
+                infos = socket.getaddrinfo(host, parts.port, type=socket.SOCK_STREAM)
+                v4 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET})
+                addresses = v4 or sorted({i[4][0] for i in infos})
+            except OSError:
+                addresses = [host]
+        for address in addresses:
+            netloc = f"[{address}]" if ":" in address else address
+            netloc += f":{parts.port}" if parts.port else ""
+            expanded = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
+            if expanded not in out:
+                out.append(expanded)
+    return out
+
+
 def run(metrics_url: str, interval_s: float, identity: dict[str, Any], stop_after: float | None = None) -> None:
-    reporter = StateReporter(identity).start()
+    configured = list(identity.get("routers", []))
+    reporter = StateReporter(dict(identity, routers=expand_routers(configured))).start()
     seen = MovedMetrics()
-    started = time.monotonic()
+    started = resolved = time.monotonic()
     log.info("reporting replica %s from %s to %s every %.2f s", identity.get("replica_id"), metrics_url,
-             ", ".join(identity.get("routers", [])) or "no router", interval_s)
+             ", ".join(reporter.routers) or "no router", interval_s)
     while stop_after is None or time.monotonic() - started < stop_after:
+        if time.monotonic() - resolved >= RESOLVE_EVERY_S:
+            reporter.routers, resolved = expand_routers(configured), time.monotonic()  # one assignment: atomic
+        reporter.draining = reporter.draining or drain_marker(str(identity.get("replica_id"))).exists()
         try:
             values = parse(scrape(metrics_url))
             seen.observe(values)
-            reporter.publish(build_report(reporter.identity, values, seen))
+            reporter.publish(build_report(reporter.identity, values, seen, draining=reporter.draining))
         except OSError as exc:  # the replica is starting or gone: report nothing (stale reports age out)
             log.debug("metrics at %s unreadable: %s", metrics_url, exc)
         time.sleep(interval_s)
@@ -112,10 +161,33 @@ def busy(values: dict[str, float]) -> int:
     return int(values.get("req.active", 0) + values.get("pending", 0))
 
 
-def drain(metrics_url: str, identity: dict[str, Any], admin_token: str, timeout_s: float,
-          poll_s: float = 1.0) -> bool:
-    """Stop admission at every router, then wait for the replica to hold no request; False on timeout."""
-    for router in identity.get("admin_routers") or identity.get("routers", []):
+def drain(metrics_url: str, identity: dict[str, Any], admin_token: str | None, timeout_s: float,
+          poll_s: float = 1.0, announce: bool = True) -> bool:
+    """Stop admission at every router, then wait for the replica to hold no request; False on timeout.
+
+    Every poll sends a signed `draining` report to every router (a router that starts during the drain hears it
+    too); with an operator token the routers' admin API is asked as well."""
+    routers = expand_routers(identity.get("routers", [])) if announce else []
+    reporter = StateReporter(dict(identity, routers=routers)).start()  # no routers: publishes go nowhere
+    reporter.draining = True
+    marker = drain_marker(str(identity.get("replica_id")))
+    if announce:
+        marker.touch()
+    else:
+        admin_token = None
+        time.sleep(min(2.0, timeout_s))  # let the sidecar's draining report reach the routers first
+    try:
+        return _drain_wait(metrics_url, identity, admin_token, timeout_s, poll_s, reporter)
+    finally:
+        reporter.stop()
+        if announce:
+            marker.unlink(missing_ok=True)
+
+
+def _drain_wait(metrics_url: str, identity: dict[str, Any], admin_token: str | None, timeout_s: float,
+                poll_s: float, reporter: StateReporter) -> bool:
+    seen = MovedMetrics()
+    for router in (identity.get("admin_routers") or identity.get("routers", [])) if admin_token else []:
         req = urllib.request.Request(f"{router}/admin/replicas/{identity['replica_id']}/drain", data=b"{}",
                                      method="POST", headers={"authorization": f"Bearer {admin_token}",
                                                              "content-type": "application/json"})
@@ -127,7 +199,10 @@ def drain(metrics_url: str, identity: dict[str, Any], admin_token: str, timeout_
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            left = busy(parse(scrape(metrics_url)))
+            values = parse(scrape(metrics_url))
+            seen.observe(values)
+            reporter.publish(build_report(reporter.identity, values, seen, draining=True))
+            left = busy(values)
         except OSError:
             return True  # Triton is gone: nothing left to wait for
         if left == 0:
@@ -148,17 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=0.2, help="seconds between reports (default %(default)s)")
     ap.add_argument("--timeout", type=float, default=110.0,
                     help="drain: give up after this many seconds (keep it under the pod's grace period)")
+    ap.add_argument("--no-announce", action="store_true",
+                    help="drain: only wait (another container of the pod sends the draining reports)")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     identity = identity_from_env()
     if not identity["routers"]:
         ap.error("FLEET_ROUTER_URLS is empty: set the routers' internal URLs (comma-separated)")
-    if args.mode == "drain":
-        token = load_settings().operator_token()
-        if not token:
-            ap.error("no operator token: set FLEET_ADMIN_TOKEN (the drain call uses the router's admin API)")
-        return 0 if drain(args.metrics_url, identity, token, args.timeout) else 1
+    if args.mode == "drain":  # the signed draining report needs no operator token; the admin API call does
+        token = None if args.no_announce else load_settings().operator_token()
+        return 0 if drain(args.metrics_url, identity, token, args.timeout, announce=not args.no_announce) else 1
     run(args.metrics_url, args.interval, identity)
     return 0
 

@@ -6,6 +6,7 @@ the recorded contract, in order, and answers with the recorded response.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -147,31 +148,57 @@ def test_manifest_is_the_pool_template_and_valid_for_the_kubernetes_models() -> 
     assert {c.name for c in pod.containers} == {"triton", "state"}
 
 
-def test_ensure_workload_creates_tp4_deployment_with_node_selector_and_gpus() -> None:
+def test_scale_of_a_new_version_applies_the_overlays_template_server_side() -> None:
+    """A rollout's new version: no Deployment yet, so it is applied from the model's overlay Deployment (its
+    image, runtime class, grace period), renamed to the overlay's naming and relabelled for the new pool."""
     with ContractServer("deployment_create.json") as server:
-        assert server.actuator().ensure_workload(LARGE, replicas=2) == "llm-large-70b-fp8-v1"
+        assert server.actuator().ensure_workload(LARGE, replicas=2) == "llm-pool-large-70b-fp8-v1"
     server.verify()
+    sent = server.received[1]["body"]
+    triton = sent["spec"]["template"]["spec"]["containers"][0]
+    assert triton["image"] == "registry.example.com/llm-fleet-gpu:0.2.0-trtllm0.17"  # the overlay's, not a default
+    assert {"name": "FLEET_VERSION", "value": "v1"} in triton["env"]
+    assert sent["spec"]["template"]["metadata"]["labels"]["fleet.ai/pool"] == "large-70b-fp8-v1"
 
 
-def test_ensure_workload_patches_existing_deployment_without_touching_replicas() -> None:
-    with ContractServer("deployment_patch.json") as server:
-        server.actuator().ensure_workload(SMALL)
+def test_adopt_reapplies_a_deployment_the_actuator_made_with_its_replicas() -> None:
+    with ContractServer("deployment_adopt.json") as server:
+        server.actuator().adopt(SMALL)
     server.verify()
 
 
 def test_api_error_surfaces() -> None:
     from kubernetes.client.exceptions import ApiException
 
-    with ContractServer("deployment_create.json") as server:  # first answer is a 404 for the scale read
+    with ContractServer("deployment_scale_missing.json") as server:  # first answer is a 404
         with pytest.raises(ApiException) as info:
-            server.actuator().apps.read_namespaced_deployment_scale("llm-large-70b-fp8-v1", "llm")
+            server.actuator().apps.patch_namespaced_deployment_scale("llm-pool-large-70b-fp8-v1", "llm",
+                                                                     {"spec": {"replicas": 3}})
         assert info.value.status == 404
 
 
 def test_manifest_shape() -> None:
     manifest = deployment_manifest(LARGE, "llm")
     pod = manifest["spec"]["template"]["spec"]
-    assert pod["nodeSelector"]["fleet.ai/tp-group"] == "tp4"
+    assert "nodeSelector" not in pod or "fleet.ai/tp-group" not in pod["nodeSelector"]  # no label nothing sets
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert "preStop" in pod["containers"][0]["lifecycle"]
     assert "replicas" not in manifest["spec"]
+
+
+def test_hostile_names_become_valid_kubernetes_names() -> None:
+    """What the API server refuses with 422 (`/`, `+`, upper case, label values over 63 characters)."""
+    from autoscale.actuators.k8s_names import dns_label, label_value
+    from tests.deploy.k8s_schema import deserialize
+
+    hostile = PoolSpec("meta-llama/Llama-3.1-70B-Instruct-with-a-very-long-fine-tune-name-x" * 2, "v2+lora",
+                       "region-a", tensor_parallel=4)
+    manifest = deployment_manifest(hostile, "llm", replicas=1)
+    name = manifest["metadata"]["name"]
+    assert len(name) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name), name
+    for key, value in manifest["spec"]["template"]["metadata"]["labels"].items():
+        assert len(value) <= 63 and re.fullmatch(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]", value), (key, value)
+    assert manifest["metadata"]["annotations"]["fleet.ai/model"] == hostile.model  # exact name kept
+    deserialize(manifest)
+    assert dns_label("Llama.3") != dns_label("llama-3")  # changed names carry a hash of the original
+    assert label_value("llama-70b-1") == "llama-70b-1"  # valid names are kept as they are

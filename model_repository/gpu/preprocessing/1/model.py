@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from common.eos import eos_token_ids, stop_words_tensor
 from common.hashing import lora_task_id
 from common.names import valid_adapter_name  # a name, never a path: no folder outside adapters_dir
 from common.text import load_tokenizer
@@ -30,9 +31,10 @@ class TritonPythonModel:
     def initialize(self, args):
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         self.tokenizer = load_tokenizer(params["tokenizer_dir"])
-        gen = Path(params["tokenizer_dir"]) / "generation_config.json"
-        eos = json.loads(gen.read_text()).get("eos_token_id", 2) if gen.exists() else 2
-        self.end_id = int(eos[0] if isinstance(eos, list) else eos)
+        # TensorRT-LLM takes one end_id: the first EOS; every other one (Llama-3-Instruct's <|eot_id|>, ...)
+        # is a one-token stop word, so the stream ends on whichever the model emits
+        eos = eos_token_ids(params["tokenizer_dir"], self.tokenizer)
+        self.end_id, self.extra_eos = eos[0], [[i] for i in eos[1:]]
         self.adapters = Path(params["adapters_dir"])
         self.max_context = int(params["max_context"])
 
@@ -46,17 +48,11 @@ class TritonPythonModel:
         return out
 
     def _stop_words(self, request) -> np.ndarray:
-        """TensorRT-LLM's stop_words_list [1, 2, L]: flat ids, then cumulative end offsets padded with -1."""
+        """The model's other EOS ids, then the request's stop strings, as TensorRT-LLM's stop_words_list."""
         t = pb_utils.get_input_tensor_by_name(request, "stop_words")
         words = [w.decode() if isinstance(w, bytes) else str(w) for w in (t.as_numpy().reshape(-1) if t else [])]
-        ids, offsets = [], []
-        for w in words:
-            ids += self.tokenizer.encode(w, add_special_tokens=False).ids
-            offsets.append(len(ids))
-        n = max(len(ids), 1)
-        flat = np.array(ids + [0] * (n - len(ids)), dtype=np.int32)
-        offs = np.array(offsets + [-1] * (n - len(offsets)), dtype=np.int32)
-        return np.stack([flat, offs])[None, :, :]
+        return stop_words_tensor(self.extra_eos + [self.tokenizer.encode(w, add_special_tokens=False).ids
+                                                   for w in words])
 
     def _tensors(self, request) -> list:
         ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")

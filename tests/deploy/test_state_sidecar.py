@@ -1,0 +1,58 @@
+"""The GPU state sidecar's report fan-out (a headless Service name -> every router) and the drain marker that
+keeps its report loop saying `draining` while the preStop hook (another process) drains."""
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from python_backends import trtllm_state
+
+
+def test_a_name_with_several_addresses_becomes_one_url_per_address(monkeypatch) -> None:
+    import socket
+
+    def cluster_dns(host, port, type=0):  # no cluster DNS here: its answer for a headless Service, two routers
+        assert host == "llm-router-internal"
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in ("10.0.0.7", "10.0.1.9")]
+
+    monkeypatch.setattr(socket, "getaddrinfo", cluster_dns)
+    assert trtllm_state.expand_routers(["http://llm-router-internal:8032", "http://127.0.0.1:9"]) == [
+        "http://10.0.0.7:8032", "http://10.0.1.9:8032", "http://127.0.0.1:9"]
+
+
+def test_the_report_loop_says_draining_once_the_prestop_hook_runs(tmp_path, monkeypatch) -> None:
+    """Real HTTP: a metrics endpoint answering like Triton's, and the loop's reports captured by a listener."""
+    monkeypatch.setattr(trtllm_state.tempfile, "gettempdir", lambda: str(tmp_path))
+    reports: list[bool] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # the replica's metrics: one active request
+            body = b'nv_trt_llm_request_metrics{model="tensorrt_llm",request_type="active"} 1\n'
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:  # a router's internal listener
+            import json
+
+            reports.append(json.loads(self.rfile.read(int(self.headers["content-length"])))["draining"])
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    identity = {"replica_id": "llm-pool-x-1-abc", "routers": [url], "report_key": "k"}
+    loop = threading.Thread(target=trtllm_state.run, args=(f"{url}/metrics", 0.05, identity, 1.5), daemon=True)
+    loop.start()
+    time.sleep(0.5)
+    trtllm_state.drain_marker("llm-pool-x-1-abc").touch()  # what `drain` does in the other process
+    loop.join(5)
+    httpd.shutdown()
+    assert reports and reports[0] is False and reports[-1] is True
+    assert reports.index(True) == len(reports) - reports[::-1].index(False)  # never back to not draining
