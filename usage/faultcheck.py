@@ -131,9 +131,7 @@ def stored_ids(store_path: Path, prefix: str) -> tuple[int, set[str]]:
 
 def stored_usage(store_path: Path, prefix: str) -> tuple[int, set[str], int]:
     """(rows, distinct request_ids, billed completion tokens) with this prefix in the store."""
-    if not store_path.exists():
-        return 0, set(), 0
-    with store.connect(store_path, read_only=True) as con:
+    with store.connect(store_path, read_only=True) as con:  # no control file yet: the lake alone
         got = con.execute("SELECT request_id, completion_tokens FROM usage_events WHERE request_id LIKE ?",
                           [prefix + "-%"]).fetchall()
     return len(got), {r[0] for r in got}, sum(r[1] for r in got)

@@ -75,9 +75,20 @@ def connect(store_path: Path, read_only: bool = False, timeout_s: float = LOCK_R
     """Open the control file briefly (creating it with the schema on first use), retrying while another
     process holds it, with the lake's tables registered (`lake`: default `lake_for(store_path)`)."""
     store_path = Path(store_path)
+    lake = lake or lake_for(store_path)
     if read_only and not store_path.exists():
-        with connect(store_path, read_only=False, timeout_s=timeout_s, lake=lake):
-            pass
+        # A reader on a node without the control file (admin UI, autoscaler in deploy/): the lake's tables
+        # plus the default prices in memory.
+        con = duckdb.connect()
+        try:
+            _ensure_schema(con)
+            register_views(con, lake)
+            _lakes[id(con)] = lake
+            yield con
+        finally:
+            _lakes.pop(id(con), None)
+            con.close()
+        return
     store_path.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout_s
     delay = 0.005
@@ -90,7 +101,6 @@ def connect(store_path: Path, read_only: bool = False, timeout_s: float = LOCK_R
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 0.05)  # short: the holder is usually a ~0.1-1 s batch or query
-    lake = lake or lake_for(store_path)
     _lakes[id(con)] = lake
     try:
         if not read_only:
