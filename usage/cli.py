@@ -99,8 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="keep raw events this many days (default: %(default)s)")
     maintain.add_argument("--rollup-days", type=int, default=retention.ROLLUP_RETENTION_DAYS,
                           help="keep hourly rollups this many days (default: %(default)s, 13 months)")
-    maintain.add_argument("--compact-events", action="store_true",
-                          help="also merge closed days' small event files (heavier; a nightly job)")
+    maintain.add_argument("--compact-files", action=argparse.BooleanOptionalAction, default=True,
+                          help="merge the small files loader batches leave (default: on)")
     maintain.add_argument("--store", type=Path, default=settings.usage_db_path,
                           help="DuckDB control file; the lake is FLEET_USAGE_LAKE_URI or <store>.lake (default: %(default)s)")
     maintain.set_defaults(handler=cmd_maintain)
@@ -168,7 +168,7 @@ def cmd_maintain(args: argparse.Namespace, settings: Settings) -> int:
         if not 1 <= days <= 36600:
             raise SystemExit(f"{name}: {days} is out of range; allowed 1..36600 days")
     done = retention.maintain(store.lake_for(args.store), raw_days=args.raw_days, rollup_days=args.rollup_days,
-                              compact_events=args.compact_events)
+                              compact_files=args.compact_files)
     print(json.dumps(done))
     return 0
 

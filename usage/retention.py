@@ -7,7 +7,11 @@
   per loader batch) is rewritten as one file with one row per (hour, dimensions), atomically replacing the
   partition (Delta overwrite with a `day = ...` predicate). A late event appended meanwhile makes the commit
   conflict; it fails and the next run retries.
-- Event compaction (optional, heavier): closed days' small files are merged by delta-rs `optimize.compact`.
+- File compaction: each loader batch adds one small file per day to `events` and to `rollups_hourly`
+  (~86,000 a day at one batch a second), and every reader opens the table's file list; so small files are
+  merged (delta-rs `optimize.compact`, which only rewrites files below its target size, so each run
+  rewrites roughly the last interval's files) in every partition, today's included: a compaction commit
+  only removes the files it rewrote, so it does not conflict with the loader's blind appends.
 - Vacuum: files no longer referenced and older than `vacuum_hours` (default 168) are removed, so a reader
   holding an old snapshot for up to that long still finds its files.
 """
@@ -35,7 +39,7 @@ def _files_per_day(table) -> Counter:
 
 
 def maintain(lake: Lake, today: dt.date | None = None, raw_days: int = RAW_RETENTION_DAYS,
-             rollup_days: int = ROLLUP_RETENTION_DAYS, compact_events: bool = False,
+             rollup_days: int = ROLLUP_RETENTION_DAYS, compact_files: bool = True,
              vacuum_hours: int = 168) -> dict:
     """One maintenance pass; returns what it did (for the log and the CLI)."""
     today = today or dt.datetime.now(dt.UTC).date()
@@ -44,9 +48,9 @@ def maintain(lake: Lake, today: dt.date | None = None, raw_days: int = RAW_RETEN
     events = open_table(lake, EVENTS)
     if events is not None:
         events.delete(f"day < '{today - dt.timedelta(days=raw_days)}'")
-        if compact_events:
-            days = [d for d, n in _files_per_day(events).items() if n > 1 and d < str(today)]
-            for day in sorted(days):
+        if compact_files:
+            days = sorted(d for d, n in _files_per_day(events).items() if n > 1)
+            for day in days:
                 events.optimize.compact(partition_filters=[("day", "=", day)])
             done["compacted_event_days"] = len(days)
         events.vacuum(retention_hours=vacuum_hours, enforce_retention_duration=False, dry_run=False)
@@ -62,6 +66,8 @@ def maintain(lake: Lake, today: dt.date | None = None, raw_days: int = RAW_RETEN
                             storage_options=lake.storage_options or None)
             table.update_incremental()
         done["compacted_rollup_days"] = len(days)
+        if compact_files and _files_per_day(table).get(str(today), 0) > 1:
+            table.optimize.compact(partition_filters=[("day", "=", str(today))])  # partial rows stay partial
         table.vacuum(retention_hours=vacuum_hours, enforce_retention_duration=False, dry_run=False)
     return done
 
