@@ -25,7 +25,6 @@ Run: `fleet usage load` or `python -m usage.loader --help`.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import math
@@ -46,7 +45,7 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 from pydantic import ValidationError
 
 from usage import lake as lake_mod
-from usage import retention, rollups, store
+from usage import recovery, retention, rollups, store
 from usage.dedup import DEFAULT_WINDOW_S, RecentIds
 from usage.events import UsageEvent
 from usage.kafka_io import close_producer, ensure_topics, make_consumer, make_producer
@@ -202,29 +201,8 @@ class UsageLoader:
         return store.events_table(good, self.writer, self._seq)
 
     def recover(self) -> None:
-        """Finish a batch whose rollups were not committed, then seed the de-duplication window from the
-        lake (events and rejects loaded in the last window) and set the next batch number."""
-        ev_v = lake_mod.txn_version(self.lake, lake_mod.EVENTS, f"events:{self.writer}")
-        ro_v = lake_mod.txn_version(self.lake, lake_mod.ROLLUPS, f"rollups:{self.writer}")
-        with store.connect(self.store_path, read_only=True, lake=self.lake) as con:
-            if ro_v < ev_v:
-                missing = con.sql("SELECT * FROM usage_events WHERE load_writer = $w AND load_seq > $lo "
-                                  "AND load_seq <= $hi", params={"w": self.writer, "lo": ro_v, "hi": ev_v}
-                                  ).to_arrow_table()
-                lake_mod.append(self.lake, lake_mod.ROLLUPS, rollups.rollup(missing),
-                                txn=(f"rollups:{self.writer}", ev_v), metadata={"writer": self.writer,
-                                                                              "recovered": f"{ro_v + 1}..{ev_v}"})
-                log.warning("usage loader: rebuilt the rollups of batches %d..%d from their events", ro_v + 1, ev_v)
-            since = time.time() - self.recent.window_s
-            seen = con.execute("SELECT request_id, loaded_at FROM usage_events WHERE loaded_at >= ? "
-                               "UNION ALL SELECT id, epoch(rejected_at) FROM usage_rejects WHERE rejected_at >= "
-                               "to_timestamp(?) ORDER BY 2", [since, since]).fetchall()
-        self.recent.clear()
-        for at, group in itertools.groupby(seen, key=operator.itemgetter(1)):
-            self.recent.add([rid for rid, _ in group], at=at)
-        self._seq = ev_v + 1
-        log.info("usage loader %s: next batch %d, %d ids in the de-duplication window", self.writer, self._seq,
-                 len(self.recent))
+        """Complete an interrupted batch and re-seed the de-duplication window (usage/recovery.py)."""
+        self._seq = recovery.recover(self.lake, self.store_path, self.writer, self.recent)
 
     def maybe_maintain(self) -> None:
         """Retention and compaction once every maintain_every_s (usage/retention.py); errors are logged."""
