@@ -385,6 +385,9 @@ def run_from_args(args: argparse.Namespace, settings) -> int:
     known = None
     if args.check_callers and _registry_configured(settings):
         known = registry_callers(settings.db_url)
+    if args.store.exists():
+        with store.connect(args.store):  # moves a pre-lake control file's events into the lake, once
+            pass
     loader = UsageLoader(args.bootstrap, args.store, topic=args.topic, group_id=args.group,
                          dlq_topic=args.dlq_topic, known_callers=known, batch_max=args.batch_max,
                          fault=settings.usage_fault, writer_id=args.writer_id,

@@ -20,6 +20,7 @@ scraper, so nobody keeps it open: writers and readers open it per call and retry
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,9 +33,11 @@ import pyarrow.compute as pc
 
 from usage import rollups
 from usage.lake import (EVENT_FIELDS, EVENTS, EVENTS_SCHEMA, REJECTS, REJECTS_SCHEMA, ROLLUPS, Lake, append,
-                        lake_for, register_views)
+                        lake_for, register_views, txn_version)
 
 EVENT_COLUMNS = [name for name, _ in EVENT_FIELDS]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PRICES = [
     # model, prefill, cached, decode (per 1M tokens). Cached prefix tokens are billed at 10 % of prefill:
@@ -105,6 +108,7 @@ def connect(store_path: Path, read_only: bool = False, timeout_s: float = LOCK_R
     try:
         if not read_only:
             _ensure_schema(con)
+            _import_legacy(con, lake)
         register_views(con, lake)
         yield con
     finally:
@@ -127,6 +131,36 @@ def _ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(SCHEMA)
     con.executemany("INSERT OR IGNORE INTO prices (model, prefill_per_m, cached_per_m, decode_per_m) "
                     "VALUES (?, ?, ?, ?)", DEFAULT_PRICES)
+
+
+LEGACY_CHUNK = 1_000_000
+
+
+def _import_legacy(con: duckdb.DuckDBPyConnection, lake: Lake) -> None:
+    """A control file from before the lake holds `usage_events` / `usage_rejects` tables (which the lake's
+    views would hide): move their rows into the lake once, then drop them. Each chunk is one commit carrying
+    the application transaction ("legacy-import:<table>", chunk), so a crash mid-way resumes without repeats."""
+    legacy = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE NOT temporary "
+                                        "AND table_name IN ('usage_events', 'usage_rejects')").fetchall()}
+    for name, table in (("usage_events", EVENTS), ("usage_rejects", REJECTS)):
+        if name not in legacy:
+            continue
+        app = f"legacy-import:{name}"
+        done = txn_version(lake, table, app)
+        total = con.execute(f"SELECT count(*) FROM {name}").fetchall()[0][0]
+        key = "request_id" if name == "usage_events" else "id"
+        for chunk in range(done + 1, (total + LEGACY_CHUNK - 1) // LEGACY_CHUNK):
+            frame = con.execute(f"SELECT * FROM {name} ORDER BY {key} LIMIT {LEGACY_CHUNK} "
+                                f"OFFSET {chunk * LEGACY_CHUNK}").df()
+            if name == "usage_events":
+                rows = events_table(frame[EVENT_COLUMNS], writer="legacy", seq=chunk)
+                append(lake, EVENTS, rows, txn=(app, chunk))
+                append(lake, ROLLUPS, rollups.rollup(rows))
+            else:
+                rows = rejects_table(list(frame[["id", "reason", "raw"]].itertuples(index=False)), "legacy", chunk)
+                append(lake, REJECTS, rows, txn=(app, chunk))
+        con.execute(f"DROP TABLE {name}")
+        log.warning("usage store: moved %d rows of the legacy table %s into the lake %s", total, name, lake.uri)
 
 
 def events_table(rows_or_frame, writer: str = "direct", seq: int = 0, loaded_at: float | None = None) -> pa.Table:

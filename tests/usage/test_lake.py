@@ -15,7 +15,7 @@ from kafka import KafkaProducer
 
 from common.processes import free_port, stop_pid
 from usage import chargeback, retention, store
-from usage.lake import EVENTS, Lake, LakeSettings, open_table
+from usage.lake import EVENT_FIELDS, EVENTS, Lake, LakeSettings, open_table
 from usage.loader import UsageLoader
 
 pytestmark = pytest.mark.integration
@@ -154,3 +154,34 @@ def test_retention_and_compaction_keep_rollup_totals(tmp_path, make_event):
         files = con.execute("SELECT count(*) FROM usage_rollups").fetchall()[0][0]
     assert raw[0] == 90 and raw[1] >= today - dt.timedelta(days=35)  # 30 expired with their day
     assert files == 2  # one merged row per (hour, dimensions) per day
+
+
+def test_a_pre_lake_store_moves_into_the_lake_once(tmp_path, make_event):
+    """A control file from before the lake (usage_events with its PRIMARY KEY, usage_rejects): its rows move
+    into the lake on the first writable open, and chargeback sees them."""
+    import duckdb
+    path = tmp_path / "usage.duckdb"
+    events = [make_event(f"old-{i}", team=f"t{i % 3}") for i in range(2500)]
+    con = duckdb.connect(str(path))
+    cols = ", ".join(store.EVENT_COLUMNS)
+    sql_type = {"string": "VARCHAR", "int64": "BIGINT", "double": "DOUBLE"}
+    ddl = ", ".join(f"{name} {sql_type[str(t)]} NOT NULL" for name, t in EVENT_FIELDS)
+    con.execute(f"CREATE TABLE usage_events ({ddl}, day DATE NOT NULL, PRIMARY KEY (request_id))")  # the old table
+    con.execute("CREATE TABLE usage_rejects (id VARCHAR PRIMARY KEY, rejected_at TIMESTAMP, reason VARCHAR, raw VARCHAR)")
+    frame = pd.DataFrame([e.model_dump() for e in events])
+    con.execute(f"INSERT INTO usage_events SELECT {cols}, CAST(to_timestamp(ts) AS DATE) FROM frame")
+    con.execute("INSERT INTO usage_rejects VALUES ('t/0/1/x', now(), 'bad', '{}')")
+    con.close()
+    with store.connect(path):
+        pass
+    with store.connect(path):  # a second open finds nothing left to move
+        pass
+    with store.connect(path, read_only=True) as con:
+        assert con.execute("SELECT count(*), count(DISTINCT request_id) FROM usage_events").fetchall()[0] == (2500, 2500)
+        assert con.execute("SELECT count(*) FROM usage_rejects").fetchall()[0][0] == 1
+        legacy = con.execute("SELECT count(*) FROM duckdb_tables() WHERE NOT temporary "
+                             "AND table_name = 'usage_events'").fetchall()[0][0]
+    assert legacy == 0
+    by_team = chargeback.usage_summary(path, group_by=("team",))
+    assert by_team["requests"].tolist() == [834, 833, 833]
+    assert by_team["decode_tokens"].sum() == sum(e.completion_tokens for e in events)
