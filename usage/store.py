@@ -147,15 +147,17 @@ def _import_legacy(con: duckdb.DuckDBPyConnection, lake: Lake) -> None:
             continue
         app = f"legacy-import:{name}"
         done = txn_version(lake, table, app)
+        rolled = txn_version(lake, ROLLUPS, app) if table == EVENTS else done
         total = con.execute(f"SELECT count(*) FROM {name}").fetchall()[0][0]
         key = "request_id" if name == "usage_events" else "id"
-        for chunk in range(done + 1, (total + LEGACY_CHUNK - 1) // LEGACY_CHUNK):
+        for chunk in range(min(done, rolled) + 1, (total + LEGACY_CHUNK - 1) // LEGACY_CHUNK):
             frame = con.execute(f"SELECT * FROM {name} ORDER BY {key} LIMIT {LEGACY_CHUNK} "
                                 f"OFFSET {chunk * LEGACY_CHUNK}").df()
             if name == "usage_events":
                 rows = events_table(frame[EVENT_COLUMNS], writer="legacy", seq=chunk)
-                append(lake, EVENTS, rows, txn=(app, chunk))
-                append(lake, ROLLUPS, rollups.rollup(rows))
+                if chunk > done:
+                    append(lake, EVENTS, rows, txn=(app, chunk))
+                append(lake, ROLLUPS, rollups.rollup(rows), txn=(app, chunk))  # chunk > rolled here
             else:
                 rows = rejects_table(list(frame[["id", "reason", "raw"]].itertuples(index=False)), "legacy", chunk)
                 append(lake, REJECTS, rows, txn=(app, chunk))
