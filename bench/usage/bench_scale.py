@@ -109,6 +109,7 @@ def build_lake(work: Path, n: int, day: dt.date, threads: int) -> dict:
     day_s = dt.datetime.combine(day, dt.time(0), dt.UTC).timestamp()
     con = duckdb.connect()
     con.execute(f"SET threads = {threads}")
+    con.execute("SET enable_progress_bar = false")
     t0 = time.perf_counter()
     sql = EVENTS_SQL.format(salt="lake", day_s=day_s, n=n, callers=CALLERS, teams=TEAMS, models=MODELS, day=day)
     cols = ", ".join(lake.EVENTS_SCHEMA.names[:-3])  # + day below; loader bookkeeping constant
@@ -154,6 +155,7 @@ def build_peer(work: Path, n: int, day: dt.date, threads: int) -> dict:
     day_s = dt.datetime.combine(day, dt.time(0), dt.UTC).timestamp()
     con = duckdb.connect(str(path))
     con.execute(f"SET threads = {threads}")
+    con.execute("SET enable_progress_bar = false")
     ddl = ", ".join(f"{f.name} {'VARCHAR' if str(f.type) == 'string' else 'BIGINT' if f.type == 'int64' else 'DOUBLE'}"
                     + (" PRIMARY KEY" if f.name == "request_id" else "") for f in lake.EVENTS_SCHEMA
                     if f.name not in ("day", "load_writer", "load_seq", "loaded_at"))
