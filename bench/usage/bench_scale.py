@@ -36,7 +36,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import duckdb  # noqa: E402
-import pyarrow as pa  # noqa: E402
 from deltalake import Field, Schema, convert_to_deltalake  # noqa: E402
 
 from autoscale.live_inputs import usage_history  # noqa: E402
