@@ -55,7 +55,7 @@ def options(since: dt.date, until: dt.date, path=None) -> dict[str, list[str]]:
     with store.connect(store_path(path), read_only=True) as con:
         for dim in FILTER_DIMENSIONS:
             col = chargeback.DIMENSIONS[dim]
-            out[dim] = [r[0] for r in con.execute(f"SELECT DISTINCT {col} FROM usage_events WHERE {where} "
+            out[dim] = [r[0] for r in con.execute(f"SELECT DISTINCT {col} FROM usage_rollups WHERE {where} "
                                                   f"ORDER BY 1", params).fetchall()]
     return out
 

@@ -32,13 +32,13 @@ def _until_exclusive(until: dt.date | None) -> dt.date | None:
 def teams(path: Path | None = None) -> list[str]:
     """Teams that have usage in the store."""
     with store.connect(store_path(path), read_only=True) as con:
-        return [r[0] for r in con.execute("SELECT DISTINCT team FROM usage_events ORDER BY team").fetchall()]
+        return [r[0] for r in con.execute("SELECT DISTINCT team FROM usage_rollups ORDER BY team").fetchall()]
 
 
 def date_bounds(path: Path | None = None) -> tuple[dt.date, dt.date] | None:
     """First and last UTC day with usage, or None for an empty store."""
     with store.connect(store_path(path), read_only=True) as con:
-        lo, hi = con.execute("SELECT min(day), max(day) FROM usage_events").fetchone()
+        lo, hi = con.execute("SELECT min(day), max(day) FROM usage_rollups").fetchone()
     return (lo, hi) if lo is not None else None
 
 
@@ -62,9 +62,9 @@ def tokens_over_time(since: dt.date | None, until: dt.date | None, team: str | N
 def _tokens_by_team_hour(since: dt.date | None, until: dt.date | None, team: str | None,
                          path: Path | None) -> pd.DataFrame:
     where, params = chargeback.where_clause(since, until, {"team": team})
-    sql = ("SELECT date_trunc('hour', epoch_ms(CAST(ts * 1000 AS BIGINT))) AS period, team, "
-           "sum(prompt_tokens - cached_prompt_tokens) AS prefill_tokens, sum(cached_prompt_tokens) AS cached_tokens, "
-           f"sum(completion_tokens) AS decode_tokens FROM usage_events WHERE {where} "
+    sql = ("SELECT epoch_ms(CAST(hour * 1000 AS BIGINT)) AS period, team, "
+           "sum(prefill_tokens) AS prefill_tokens, sum(cached_tokens) AS cached_tokens, "
+           f"sum(decode_tokens) AS decode_tokens FROM usage_rollups WHERE {where} "
            "GROUP BY ALL ORDER BY period, team")
     with store.connect(store_path(path), read_only=True) as con:
         return con.execute(sql, params).df()
@@ -101,9 +101,9 @@ def version_comparison(model: str, window_s: float = 3600.0, path: Path | None =
                quantile_cont(CASE WHEN completion_tokens > 1 AND duration_ms > ttft_ms
                                   THEN (completion_tokens - 1) * 1000.0 / (duration_ms - ttft_ms) END, 0.5)
                    AS tokens_per_s_p50
-        FROM usage_events WHERE model = ? AND ts >= ? GROUP BY model, version ORDER BY version"""
+        FROM usage_events WHERE model = ? AND ts >= ? AND day >= CAST(to_timestamp(?) AT TIME ZONE 'UTC' AS DATE) GROUP BY model, version ORDER BY version"""
     with store.connect(store_path(path), read_only=True) as con:
-        frame = con.execute(sql, [model, since_ts]).df()
+        frame = con.execute(sql, [model, since_ts, since_ts]).df()
     return frame[COMPARISON_COLUMNS]
 
 
@@ -119,6 +119,6 @@ def version_series(model: str, window_s: float, bucket_s: int, path: Path | None
                quantile_cont(CASE WHEN completion_tokens > 1 AND duration_ms > ttft_ms
                                   THEN (completion_tokens - 1) * 1000.0 / (duration_ms - ttft_ms) END, 0.5)
                    AS tokens_per_s_p50
-        FROM usage_events WHERE model = ? AND ts >= ? GROUP BY ALL ORDER BY bucket, version"""
+        FROM usage_events WHERE model = ? AND ts >= ? AND day >= CAST(to_timestamp(?) AT TIME ZONE 'UTC' AS DATE) GROUP BY ALL ORDER BY bucket, version"""
     with store.connect(store_path(path), read_only=True) as con:
-        return con.execute(sql, [model, since_ts]).df()
+        return con.execute(sql, [model, since_ts, since_ts]).df()

@@ -1,7 +1,7 @@
 """Inputs the live controller gets besides the router's signals: a forecast fitted from the usage store's
 history, and the batch demand read from the router's admission queues.
 
-Forecast: hourly interactive + standard request counts per model from the usage store (`usage_events`,
+Forecast: hourly interactive + standard request counts per model from the usage store (`usage_rollups`,
 batch excluded: batch is scheduled by deadline, not forecast), the missing hours filled with 0. Holt-Winters
 with a weekly season needs two weeks of history; with two days a daily season is used; with less there
 is no forecast and the controller stays reactive + warm buffer (and says so in its log).
@@ -32,8 +32,8 @@ def usage_history(store_path: Path, model: str, until_s: float, weeks: int = 3) 
     since = until_s - weeks * WEEK_H * 3600.0
     with connect(store_path, read_only=True) as con:
         frame = con.execute(
-            "SELECT floor(ts / 3600) AS hour, count(*) AS n FROM usage_events "
-            "WHERE model = ? AND priority <> 'batch' AND ts >= ? AND ts < ? GROUP BY 1 ORDER BY 1",
+            "SELECT hour / 3600 AS hour, sum(requests) AS n FROM usage_rollups "
+            "WHERE model = ? AND priority <> 'batch' AND hour >= ? AND hour < ? GROUP BY 1 ORDER BY 1",
             [model, since, until_s]).df()
     if frame.empty:
         return pd.Series(dtype=float)
@@ -62,7 +62,9 @@ def mean_stream_s(store_path: Path, model: str, since_s: float) -> float | None:
 
     with connect(store_path, read_only=True) as con:
         value = con.execute("SELECT avg(duration_ms) FROM usage_events WHERE model = ? AND priority <> 'batch' "
-                            "AND status = 'ok' AND ts >= ?", [model, since_s]).fetchall()[0][0]
+                            "AND status = 'ok' AND ts >= ? "
+                            "AND day >= CAST(to_timestamp(?) AT TIME ZONE 'UTC' AS DATE)",  # prunes day partitions
+                            [model, since_s, since_s]).fetchall()[0][0]
     return float(value) / 1000.0 if value else None
 
 
@@ -71,7 +73,9 @@ def forecasts_from_usage(store_path: Path, pools, weeks: int = 3) -> dict[str, C
 
     A forecast in requests/s becomes replicas through the pool's replica-seconds per request, set here
     from the same history: mean stream duration / streams a replica runs at once."""
-    if not Path(store_path).exists():
+    from usage.lake import lake_for
+
+    if not Path(store_path).exists() and not lake_for(Path(store_path)).exists():
         log.info("forecast: no usage store at %s; staying reactive", store_path)
         return {}
     end = time.time() // 3600 * 3600  # the last full hour

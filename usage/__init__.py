@@ -1,1 +1,2 @@
-"""Usage metering: event schema, Kafka producer with a durable local spool, loader into DuckDB, chargeback."""
+"""Usage metering: event schema, Kafka producer with a durable local spool, exactly-once loader into the usage
+lake (Delta tables + hourly rollups, read by DuckDB), chargeback."""

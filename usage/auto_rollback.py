@@ -32,9 +32,10 @@ def minute_stats(store_path: Path, model: str, version: str, minutes: int, now: 
     start = end - minutes * 60
     sql = """SELECT CAST(floor(ts / 60) * 60 AS BIGINT) AS minute, count(*) AS requests,
                     count(*) FILTER (WHERE status = 'error') AS errors, quantile_cont(ttft_ms, 0.95) AS ttft_ms_p95
-             FROM usage_events WHERE model = ? AND version = ? AND ts >= ? AND ts < ? GROUP BY ALL"""
+             FROM usage_events WHERE model = ? AND version = ? AND ts >= ? AND ts < ?
+               AND day >= CAST(to_timestamp(?) AT TIME ZONE 'UTC' AS DATE) GROUP BY ALL"""
     with store.connect(store_path, read_only=True) as con:
-        got = con.execute(sql, [model, version, float(start), float(end)]).df().set_index("minute")
+        got = con.execute(sql, [model, version, float(start), float(end), float(start)]).df().set_index("minute")
     frame = pd.DataFrame(index=pd.Index(range(start, end, 60), name="minute"))
     frame = frame.join(got).fillna({"requests": 0, "errors": 0}).reset_index()
     frame["error_rate"] = (frame["errors"] / frame["requests"].where(frame["requests"] > 0)).astype(float)

@@ -1,6 +1,8 @@
 """Chargeback queries over the usage store; every function returns a pandas DataFrame.
 
-Used by `fleet usage report` and by the admin UI's chargeback page. Token kinds are metered apart:
+Used by `fleet usage report`, the admin UI's chargeback page and budgets. Everything here reads the hourly
+rollups (`usage_rollups`, usage/rollups.py), never the raw events, so a month-to-date report scans
+thousands of rows, not billions. Token kinds are metered apart:
 - prefill tokens = prompt_tokens - cached_prompt_tokens (the prompt part the GPU computed),
 - cached tokens  = cached_prompt_tokens (served from the prefix cache),
 - decode tokens  = completion_tokens.
@@ -31,13 +33,14 @@ IDLE_TEAM = "(idle)"
 
 DateLike = str | dt.date | None
 
+# Over the hourly rollups (usage/rollups.py), whose partial rows are always summed.
 _TOKEN_SUMS = """
-    count(*) AS requests,
-    count(*) FILTER (WHERE status = 'error') AS errors,
-    count(*) FILTER (WHERE status = 'cancelled') AS cancelled,
-    sum(prompt_tokens - cached_prompt_tokens) AS prefill_tokens,
-    sum(cached_prompt_tokens) AS cached_tokens,
-    sum(completion_tokens) AS decode_tokens"""
+    sum(requests) AS requests,
+    sum(errors) AS errors,
+    sum(cancelled) AS cancelled,
+    sum(prefill_tokens) AS prefill_tokens,
+    sum(cached_tokens) AS cached_tokens,
+    sum(decode_tokens) AS decode_tokens"""
 
 
 def _group_cols(group_by: Sequence[str]) -> list[str]:
@@ -96,11 +99,11 @@ def usage_summary(store_path: Path, since: DateLike = None, until: DateLike = No
     cols = _group_cols(group_by)
     where, params = where_clause(since, until, _filters(filters, team=team, caller=caller, model=model))
     dims = _select_dims(cols)
-    sql = (f"SELECT {dims + ',' if dims else ''} {_TOKEN_SUMS} FROM usage_events WHERE {where}"
+    sql = (f"SELECT {dims + ',' if dims else ''} {_TOKEN_SUMS} FROM usage_rollups WHERE {where}"
            + (f" GROUP BY ALL ORDER BY {', '.join(cols)}" if cols else ""))
     with store.connect(store_path, read_only=True) as con:
         df = con.execute(sql, params).df()
-    if not cols and df["requests"].iloc[0] == 0:
+    if not cols and not df["requests"].fillna(0).iloc[0] > 0:
         df = df.iloc[0:0]
     return _tidy(df)
 
@@ -120,7 +123,7 @@ def cost_table(store_path: Path, since: DateLike = None, until: DateLike = None,
     where, params = where_clause(since, until, _filters(filters, team=team, caller=caller, model=model))
     outer_dims = ", ".join(cols)
     sql = f"""
-        WITH u AS (SELECT {_select_dims(inner)}, {_TOKEN_SUMS} FROM usage_events WHERE {where} GROUP BY ALL),
+        WITH u AS (SELECT {_select_dims(inner)}, {_TOKEN_SUMS} FROM usage_rollups WHERE {where} GROUP BY ALL),
         priced AS (
             SELECT u.*,
                 u.prefill_tokens * coalesce(p.prefill_per_m, d.prefill_per_m, 0) / 1e6 AS cost_prefill,
@@ -157,9 +160,9 @@ def gpu_hours_by_team(store_path: Path, since: DateLike = None, until: DateLike 
     sql = f"""
         WITH work AS (
             SELECT day, model, version, team,
-                sum((prompt_tokens - cached_prompt_tokens) * {float(w['prefill'])}
-                    + cached_prompt_tokens * {float(w['cached'])} + completion_tokens * {float(w['decode'])}) AS work
-            FROM usage_events WHERE {where} GROUP BY ALL HAVING work > 0),
+                sum(prefill_tokens * {float(w['prefill'])}
+                    + cached_tokens * {float(w['cached'])} + decode_tokens * {float(w['decode'])}) AS work
+            FROM usage_rollups WHERE {where} GROUP BY ALL HAVING work > 0),
         total AS (SELECT day, model, version, sum(work) AS total FROM work GROUP BY ALL),
         g AS (SELECT * FROM gpu_hours WHERE {gwhere}),
         alloc AS (

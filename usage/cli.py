@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from common.settings import Settings, load_settings
-from usage import chargeback, store
+from usage import chargeback, retention, store
 from usage import metrics_scraper
 from usage.loader import add_load_arguments, run_from_args
 
@@ -31,10 +31,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                               "report chargeback, set prices and GPU-hours.")
     sub = usage.add_subparsers(dest="usage_command", required=True, metavar="COMMAND")
 
-    load = sub.add_parser("load", help="run the loader (Kafka -> DuckDB), as `make up` does",
+    load = sub.add_parser("load", help="run the loader (Kafka -> usage lake), as `make up` does",
                           description="Consume usage events in a consumer group, validate, de-duplicate on "
-                                      "request_id and write them to the store; offsets are committed after "
-                                      "each write. Bad events go to the dead-letter topic. Stops on SIGTERM.")
+                                      "request_id and write them and their hourly rollups to the lake, "
+                                      "exactly once; offsets are committed after each write. Bad events go to the dead-letter topic. Stops on SIGTERM.")
     add_load_arguments(load, settings)
     load.set_defaults(handler=run_from_args)
 
@@ -93,6 +93,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gpu.add_argument("--store", type=Path, default=settings.usage_db_path, help="DuckDB file (default: %(default)s)")
     gpu.set_defaults(handler=cmd_gpu_hours)
 
+    maintain = sub.add_parser("maintain", help="retention and compaction of the usage lake (the loader also runs "
+                              "it hourly)", description=retention.__doc__.split("\n\n")[1])
+    maintain.add_argument("--raw-days", type=int, default=retention.RAW_RETENTION_DAYS,
+                          help="keep raw events this many days (default: %(default)s)")
+    maintain.add_argument("--rollup-days", type=int, default=retention.ROLLUP_RETENTION_DAYS,
+                          help="keep hourly rollups this many days (default: %(default)s, 13 months)")
+    maintain.add_argument("--compact-files", action=argparse.BooleanOptionalAction, default=True,
+                          help="merge the small files loader batches leave (default: on)")
+    maintain.add_argument("--store", type=Path, default=settings.usage_db_path,
+                          help="DuckDB control file; the lake is FLEET_USAGE_LAKE_URI or <store>.lake (default: %(default)s)")
+    maintain.set_defaults(handler=cmd_maintain)
+
     export = sub.add_parser("export", help="export the store to Parquet (partitioned by day)",
                             description="Writes usage_events as Parquet partitioned by day, plus prices and gpu_hours.")
     export.add_argument("--out", type=Path, default=settings.data_dir / "usage-parquet", help="(default: %(default)s)")
@@ -148,6 +160,16 @@ def cmd_prices(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_gpu_hours(args: argparse.Namespace, settings: Settings) -> int:
     store.add_gpu_hours(args.store, str(args.day), args.model, args.version, args.hours, replace=args.replace)
     Console(stderr=True).print(f"recorded {args.hours} GPU-hours for {args.model}:{args.version} on {args.day}")
+    return 0
+
+
+def cmd_maintain(args: argparse.Namespace, settings: Settings) -> int:
+    for name, days in (("--raw-days", args.raw_days), ("--rollup-days", args.rollup_days)):
+        if not 1 <= days <= 36600:
+            raise SystemExit(f"{name}: {days} is out of range; allowed 1..36600 days")
+    done = retention.maintain(store.lake_for(args.store), raw_days=args.raw_days, rollup_days=args.rollup_days,
+                              compact_files=args.compact_files)
+    print(json.dumps(done))
     return 0
 
 

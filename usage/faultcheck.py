@@ -131,9 +131,7 @@ def stored_ids(store_path: Path, prefix: str) -> tuple[int, set[str]]:
 
 def stored_usage(store_path: Path, prefix: str) -> tuple[int, set[str], int]:
     """(rows, distinct request_ids, billed completion tokens) with this prefix in the store."""
-    if not store_path.exists():
-        return 0, set(), 0
-    with store.connect(store_path, read_only=True) as con:
+    with store.connect(store_path, read_only=True) as con:  # no control file yet: the lake alone
         got = con.execute("SELECT request_id, completion_tokens FROM usage_events WHERE request_id LIKE ?",
                           [prefix + "-%"]).fetchall()
     return len(got), {r[0] for r in got}, sum(r[1] for r in got)
@@ -155,12 +153,23 @@ def _result(name: str, emitted_ids: set[str], store_path: Path, prefix: str, sou
     (`overbilled_tokens`), so a double count shows even where the table's key would hide a repeated row."""
     sources = emitted_ids if sources is None else sources  # ids that may legitimately be stored
     rows, ids, billed = stored_usage(store_path, prefix)
+    rollup_requests, rollup_decode = rollup_totals(store_path)
     missing = emitted_ids - ids
     matched = ids & sources
     return {"scenario": name, "emitted": len(emitted_ids), "stored_rows": rows, "stored_distinct": len(ids),
             "missing": len(missing), "duplicates": rows - len(matched), "unexpected": len(ids - sources),
             "billed_tokens": billed, "overbilled_tokens": billed - sum(source_tokens(i) for i in matched),
+            "rollup_requests_off": rollup_requests - rows, "rollup_tokens_off": rollup_decode - billed,
             "missing_sample": sorted(missing)[:5], **extra}
+
+
+def rollup_totals(store_path: Path) -> tuple[int, int]:
+    """(requests, decode tokens) in the store's rollups: must equal the raw rows' count and tokens, whatever
+    crashed between the events commit and the rollups commit."""
+    with store.connect(store_path, read_only=True) as con:
+        req, dec = con.execute("SELECT coalesce(sum(requests), 0), coalesce(sum(decode_tokens), 0) "
+                               "FROM usage_rollups").fetchall()[0]
+    return int(req), int(dec)
 
 
 def broker_outage(settings: Settings, work_dir: Path, outage_s: float, mode: str = "pause",

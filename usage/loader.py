@@ -1,15 +1,24 @@
-"""Usage loader: Kafka consumer group -> validated, de-duplicated rows in the DuckDB store.
+"""Usage loader: Kafka consumer group -> validated, de-duplicated rows in the usage lake (usage/lake.py).
 
-One batch = poll (up to `batch_max` records or `max_wait_s`) -> validate -> one DuckDB transaction
-(INSERT OR IGNORE on request_id, plus the rejects) -> dead-letter sends flushed -> offsets committed.
+One batch = poll (up to `batch_max` records or `max_wait_s`) -> validate -> drop request_ids stored in the
+de-duplication window (usage/dedup.py) -> three Delta commits: the events (day-partitioned), their hourly
+rollups, the rejects -> dead-letter sends flushed -> Kafka offsets committed.
 `run()` pipelines: the next batch is polled and validated while the previous one is being written.
-Offsets are committed only after the write, so a crash at any point re-delivers at most the last two batches,
-and the primary key on request_id turns that redelivery (and any producer resend) into no-ops:
-no loss, no duplicate rows.
+
+Exactly once without a primary key:
+- Each loader process is a writer with a stable id (`--writer-id`, default the group id) and numbers its
+  batches; the events commit carries the application transaction (`events:<writer>`, seq) and the rollups
+  commit (`rollups:<writer>`, seq), each in the same atomic Delta commit as the data it describes.
+- On start (and after any store error) the loader recovers: if the events table holds a batch the rollups
+  table lacks (killed between the two commits), that batch's rollup is rebuilt from its stored events and
+  committed; then the window is re-seeded from the events and rejects loaded in the last window.
+- Offsets are committed to Kafka only after the writes, so a crash re-delivers at most the last two
+  batches, and the window turns that redelivery (and any producer resend) into no-ops.
 
 Bad events (invalid JSON, schema violations, negative tokens, cached > prompt tokens, a ts or count the
-store cannot hold, unknown caller when a caller set is given, or anything else DuckDB refuses) go to the dead-letter topic with the reason, are recorded in
-`usage_rejects` and counted in `stats`, and never stop the loader.
+store cannot hold, unknown caller when a caller set is given, or anything else the store refuses) go to the
+dead-letter topic with the reason, are recorded in `usage_rejects` and counted in `stats`, and never stop
+the loader.
 
 Run: `fleet usage load` or `python -m usage.loader --help`.
 """
@@ -31,14 +40,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import duckdb
-import pandas as pd
+import pyarrow as pa
 from kafka.structs import OffsetAndMetadata, TopicPartition
 from pydantic import ValidationError
 
 from common.logs import setup_logging
-from usage import loader_metrics
-from usage import store
+from usage import lake as lake_mod
+from usage import loader_metrics, recovery, retention, rollups, store
+from usage.dedup import DEFAULT_WINDOW_S, RecentIds
 from usage.events import UsageEvent
 from usage.kafka_io import close_producer, ensure_topics, make_consumer, make_producer
 
@@ -85,9 +94,16 @@ class UsageLoader:
     def __init__(self, bootstrap_servers: str, store_path: Path, topic: str = "llm.usage.v1",
                  group_id: str = "usage-loader", dlq_topic: str = "llm.usage.v1.dlq",
                  known_callers: Callable[[], set[str]] | None = None, batch_max: int = 50_000,
-                 fault: str = "") -> None:
+                 fault: str = "", writer_id: str = "", lake: lake_mod.Lake | None = None,
+                 dedup_window_s: float = DEFAULT_WINDOW_S, maintain_every_s: float = 3600.0) -> None:
         self.bootstrap_servers = bootstrap_servers
         self.store_path = Path(store_path)
+        self.lake = lake or lake_mod.lake_for(self.store_path)
+        self.writer = writer_id or group_id
+        self.recent = RecentIds(dedup_window_s)
+        self._seq: int | None = None  # next batch number; None = recover first
+        self.maintain_every_s = maintain_every_s
+        self._maintained_at = time.monotonic()
         self.topic, self.group_id, self.dlq_topic = topic, group_id, dlq_topic
         self.batch_max = batch_max
         self.fault = fault
@@ -129,24 +145,31 @@ class UsageLoader:
         return records
 
     def _store(self, validated: tuple[list[tuple], list, dict], consumed: int) -> None:
-        """One DuckDB transaction for the batch's rows and rejects, then the dead letters (flushed).
-        Runs on the writer thread in `run()`; DuckDB releases the GIL, so the next poll overlaps it."""
+        """The batch's events, rollups and rejects in the lake, then the dead letters (flushed). Runs on the
+        writer thread in `run()`; Parquet encoding and the commits release the GIL, so the next poll overlaps."""
         rows, rejects, origins = validated
         t0 = time.perf_counter()
         try:
-            inserted = self._write(rows, rejects)
-        except duckdb.Error as exc:
-            if store._is_lock_error(exc) or not rows:
-                raise
-            # A schema-valid event the store cannot hold would fail this batch forever: find it, dead-letter it.
-            log.warning("usage batch refused by the store (%s); writing its %d events one by one", exc, len(rows))
-            inserted, rows = self._write_singly(rows, rejects, origins), []
-            inserted += self._write(rows, rejects)
-        self._fault("after_write")
+            if self._seq is None:
+                self.recover()
+            rows = [r for r in rows if r[0] not in self.recent]
+            rejects = [r for r in rejects if r[0] not in self.recent]
+            try:
+                table = store.events_table(rows, self.writer, self._seq)
+            except (pa.ArrowException, ValueError, OverflowError) as exc:
+                # A schema-valid event the store cannot hold would fail this batch forever: dead-letter it.
+                log.warning("usage batch refused by the store (%s); converting its %d events one by one",
+                            exc, len(rows))
+                table = self._convert_singly(rows, rejects, origins)
+            self._write(table, rejects)
+        except Exception:
+            self._seq = None  # the lake may hold part of the batch: recover before the next one
+            raise
         self._fault("after_write")
         if rejects:
             self._send_dead_letters(rejects)
         self.timings["write_s"] += time.perf_counter() - t0
+        inserted = table.num_rows
         self.stats["batches"] += 1
         self.stats["consumed"] += consumed
         self.stats["inserted"] += inserted
@@ -154,29 +177,47 @@ class UsageLoader:
         self.stats["rejected"] += len(rejects)
         loader_metrics.mark_stored(self)
 
-    def _write(self, rows: list[tuple], rejects: list) -> int:
-        with store.connect(self.store_path) as con:
-            con.execute("BEGIN")
-            inserted = store.insert_events(con, pd.DataFrame.from_records(rows, columns=store.EVENT_COLUMNS)
-                                           if rows else pd.DataFrame())
-            store.insert_rejects(con, [(rid, reason, raw) for rid, reason, raw, _ in rejects])
-            self._fault("mid_write")
-            con.execute("COMMIT")
-        return inserted
+    def _write(self, table: pa.Table, rejects: list) -> None:
+        seq = self._seq
+        if table.num_rows:
+            meta = {"writer": self.writer, "seq": str(seq)}
+            lake_mod.append(self.lake, lake_mod.EVENTS, table, txn=(f"events:{self.writer}", seq), metadata=meta)
+            self._fault("mid_write")  # killed here: events in, rollups not; recover() completes the batch
+            lake_mod.append(self.lake, lake_mod.ROLLUPS, rollups.rollup(table),
+                            txn=(f"rollups:{self.writer}", seq), metadata=meta)
+            self._seq = seq + 1
+        if rejects:
+            lake_mod.append(self.lake, lake_mod.REJECTS, store.rejects_table(
+                [(rid, reason, raw) for rid, reason, raw, _ in rejects], self.writer, seq))
+        self.recent.add([r[0] for r in rejects] + table.column("request_id").to_pylist())
 
-    def _write_singly(self, rows: list[tuple], rejects: list, origins: dict) -> int:
-        """Insert rows one per statement; the ones the store refuses join `rejects`. Returns rows inserted."""
-        inserted = 0
-        with store.connect(self.store_path) as con:
-            for row in rows:
-                try:
-                    inserted += store.insert_events(con, pd.DataFrame.from_records([row], columns=store.EVENT_COLUMNS))
-                except duckdb.Error as exc:
-                    if store._is_lock_error(exc):
-                        raise
-                    rid, raw, key = origins[row[0]]
-                    rejects.append((rid, f"the store refused it: {str(exc).splitlines()[0]}", raw, key))
-        return inserted
+    def _convert_singly(self, rows: list[tuple], rejects: list, origins: dict) -> pa.Table:
+        """Convert rows one at a time; the ones the store refuses join `rejects`."""
+        good = []
+        for row in rows:
+            try:
+                store.events_table([row], self.writer, self._seq)
+            except (pa.ArrowException, ValueError, OverflowError) as exc:
+                rid, raw, key = origins[row[0]]
+                rejects.append((rid, f"the store refused it: {str(exc).splitlines()[0]}", raw, key))
+            else:
+                good.append(row)
+        return store.events_table(good, self.writer, self._seq)
+
+    def recover(self) -> None:
+        """Complete an interrupted batch and re-seed the de-duplication window (usage/recovery.py)."""
+        self._seq = recovery.recover(self.lake, self.store_path, self.writer, self.recent)
+
+    def maybe_maintain(self) -> None:
+        """Retention and compaction once every maintain_every_s (usage/retention.py); errors are logged."""
+        if self.maintain_every_s <= 0 or time.monotonic() - self._maintained_at < self.maintain_every_s:
+            return
+        self._maintained_at = time.monotonic()
+        try:
+            log.info("usage maintenance: %s", retention.maintain(self.lake))
+        except Exception as exc:
+            log.warning("usage maintenance failed (%s: %s); retrying in %.0f s", type(exc).__name__, exc,
+                        self.maintain_every_s)
 
     def _validate(self, records) -> tuple[list[tuple], list[tuple[str, str, str, bytes | None]], dict]:
         t0 = time.perf_counter()
@@ -243,7 +284,7 @@ class UsageLoader:
 
     # ---- loop -----------------------------------------------------------------------------------
     def run(self, stop_event: threading.Event | None = None, max_wait_s: float = 1.0) -> None:
-        """Load batches until stop_event is set. Pipelined: while batch N is written to DuckDB on a writer
+        """Load batches until stop_event is set. Pipelined: while batch N is written to the lake on a writer
         thread, batch N+1 is polled and validated; N's offsets are committed only after N's write.
         Broker or store errors are logged and retried with a new consumer (uncommitted batches are
         re-delivered and de-duplicated)."""
@@ -258,6 +299,7 @@ class UsageLoader:
                     inflight[0].result()  # re-raises a failed write: its offsets are never committed
                     self._ensure_consumer().commit(inflight[1])
                     inflight = None
+                    self.maybe_maintain()
                 if records:
                     validated = self._validate(records)
                     inflight = (writer.submit(self._store, validated, len(records)), _offsets(records))
@@ -321,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
 def add_load_arguments(parser: argparse.ArgumentParser, settings) -> None:
     parser.add_argument("--bootstrap", default=settings.kafka_bootstrap,
                         help="Kafka bootstrap servers (default: KAFKA_BOOTSTRAP_SERVERS or %(default)s)")
-    parser.add_argument("--store", type=Path, default=settings.usage_db_path, help="DuckDB file (default: %(default)s)")
+    parser.add_argument("--store", type=Path, default=settings.usage_db_path,
+                        help="DuckDB control file; the lake is FLEET_USAGE_LAKE_URI or <store>.lake beside it "
+                             "(default: %(default)s)")
     parser.add_argument("--topic", default=settings.usage_topic, help="usage topic (default: %(default)s)")
     parser.add_argument("--dlq-topic", default=settings.usage_dlq_topic,
                         help="dead-letter topic (default: %(default)s)")
@@ -331,7 +375,13 @@ def add_load_arguments(parser: argparse.ArgumentParser, settings) -> None:
     parser.add_argument("--batch-max", type=int, default=50_000, help="most events per batch (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=1,
                         help="loader processes in the consumer group; each takes a share of the partitions and "
-                             "the DuckDB file lock serializes their writes (default: %(default)s)")
+                             "writes as its own writer (<writer-id>-w<i>) (default: %(default)s)")
+    parser.add_argument("--writer-id", default="", help="this loader's writer id in the lake's commits; must be "
+                        "unique among loaders running at once and stable across restarts (default: the group id)")
+    parser.add_argument("--dedup-window-s", type=float, default=DEFAULT_WINDOW_S,
+                        help="seconds of loaded request_ids kept to drop repeats (default: %(default)s)")
+    parser.add_argument("--maintain-every-s", type=float, default=3600.0,
+                        help="run retention and rollup compaction this often, 0 = never (default: %(default)s)")
     parser.add_argument("--once", action="store_true", help="load one batch and exit (for scripts and tests)")
 
 
@@ -340,9 +390,13 @@ def run_from_args(args: argparse.Namespace, settings) -> int:
     known = None
     if args.check_callers and _registry_configured(settings):
         known = registry_callers(settings.db_url)
+    if args.store.exists():
+        with store.connect(args.store):  # moves a pre-lake control file's events into the lake, once
+            pass
     loader = UsageLoader(args.bootstrap, args.store, topic=args.topic, group_id=args.group,
                          dlq_topic=args.dlq_topic, known_callers=known, batch_max=args.batch_max,
-                         fault=settings.usage_fault)
+                         fault=settings.usage_fault, writer_id=args.writer_id,
+                         dedup_window_s=args.dedup_window_s, maintain_every_s=args.maintain_every_s)
     if args.once:
         n = loader.run_once(max_wait_s=10.0)
         loader.close()
@@ -354,7 +408,7 @@ def run_from_args(args: argparse.Namespace, settings) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    children = [subprocess.Popen(_worker_argv(args)) for _ in range(max(0, args.workers - 1))]
+    children = [subprocess.Popen(_worker_argv(args, i)) for i in range(1, max(1, args.workers))]
     log.info("usage loader: %s -> %s (topic %s, group %s, caller check %s, %d worker(s))", args.bootstrap,
              args.store, args.topic, args.group, "on" if known else "off", 1 + len(children))
     try:
@@ -368,11 +422,13 @@ def run_from_args(args: argparse.Namespace, settings) -> int:
     return 0
 
 
-def _worker_argv(args: argparse.Namespace) -> list[str]:
-    """The command line of one extra worker: the same loader settings, a single process."""
+def _worker_argv(args: argparse.Namespace, index: int) -> list[str]:
+    """The command line of extra worker `index`: the same loader settings, a single process, its own writer id."""
     return [sys.executable, "-m", "usage.loader", "--bootstrap", args.bootstrap, "--store", str(args.store),
             "--topic", args.topic, "--dlq-topic", args.dlq_topic, "--group", args.group,
             "--batch-max", str(args.batch_max), "--workers", "1",
+            "--writer-id", f"{args.writer_id or args.group}-w{index}", "--dedup-window-s", str(args.dedup_window_s),
+            "--maintain-every-s", "0",
             "--check-callers" if args.check_callers else "--no-check-callers"]
 
 

@@ -1,21 +1,26 @@
-"""The columnar usage store: one DuckDB file (Parquet export on demand).
+"""The usage store: Delta tables for the events and their rollups (usage/lake.py), plus a small DuckDB
+control file for the tables people edit (prices, gpu_hours, and router_metrics of usage/fleet_metrics.py).
 
-Tables
-- `usage_events`: the `UsageEvent` columns (docs/architecture.md, Usage events) + `day` (UTC date of
-  `ts`); PRIMARY KEY request_id, so a re-delivered event (Kafka redelivery after a crash, a spool resend)
-  is ignored on insert.
+`connect()` opens the control file and registers the lake's tables on the same DuckDB connection, so every
+reader queries one namespace:
+- `usage_events`: the `UsageEvent` columns (docs/architecture.md, Usage events) + `day` (UTC date of `ts`)
+  + the loader's bookkeeping (`load_writer`, `load_seq`, `loaded_at`); partitioned by day, no primary key
+  (the loader de-duplicates, see usage/loader.py).
+- `usage_rollups`: hourly partial aggregates (usage/rollups.py); chargeback and the forecaster read these.
 - `usage_rejects`: events the loader refused (schema, negative tokens, unknown caller), with the reason.
 - `prices`: per-model prices in currency units per 1M tokens for prefill, cached-prefix and decode tokens;
   model '*' is the fallback for models without their own row.
 - `gpu_hours`: GPU-hours the fleet spent per (day, model, version), written by whoever runs replicas
   (the autoscaler / `fleet usage gpu-hours`); chargeback allocates them to teams.
 
-Locking: DuckDB lets one process write *or* many read a file, never both. So nobody keeps the file open:
-the loader opens it per batch (~20 ms) and readers (CLI, admin UI) open it read-only per query, and
-both retry while the other side holds it.
+Locking: the lake never locks readers out (each query reads one committed snapshot). The control file is
+DuckDB's one-writer-or-many-readers file, now written only by price / GPU-hour edits and the metrics
+scraper, so nobody keeps it open: writers and readers open it per call and retry while the other holds it.
 """
 from __future__ import annotations
 
+import datetime as dt
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,10 +28,16 @@ from pathlib import Path
 
 import duckdb
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
-EVENT_COLUMNS = ["request_id", "ts", "caller", "team", "model", "version", "adapter", "priority", "region",
-                 "replica_id", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "ttft_ms",
-                 "duration_ms", "finish_reason", "status"]
+from usage import rollups
+from usage.lake import (EVENT_FIELDS, EVENTS, EVENTS_SCHEMA, REJECTS, REJECTS_SCHEMA, ROLLUPS, Lake, append,
+                        lake_for, register_views, txn_version)
+
+EVENT_COLUMNS = [name for name, _ in EVENT_FIELDS]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PRICES = [
     # model, prefill, cached, decode (per 1M tokens). Cached prefix tokens are billed at 10 % of prefill:
@@ -36,32 +47,6 @@ DEFAULT_PRICES = [
 ]
 
 SCHEMA = """
-CREATE TABLE IF NOT EXISTS usage_events (
-    request_id VARCHAR PRIMARY KEY,
-    ts DOUBLE NOT NULL,
-    caller VARCHAR NOT NULL,
-    team VARCHAR NOT NULL,
-    model VARCHAR NOT NULL,
-    version VARCHAR NOT NULL,
-    adapter VARCHAR NOT NULL,
-    priority VARCHAR NOT NULL,
-    region VARCHAR NOT NULL,
-    replica_id VARCHAR NOT NULL,
-    prompt_tokens BIGINT NOT NULL,
-    cached_prompt_tokens BIGINT NOT NULL,
-    completion_tokens BIGINT NOT NULL,
-    ttft_ms DOUBLE NOT NULL,
-    duration_ms DOUBLE NOT NULL,
-    finish_reason VARCHAR NOT NULL,
-    status VARCHAR NOT NULL,
-    day DATE NOT NULL
-);
-CREATE TABLE IF NOT EXISTS usage_rejects (
-    id VARCHAR PRIMARY KEY,          -- topic/partition/offset/crc: a redelivered reject is counted once
-    rejected_at TIMESTAMP NOT NULL,
-    reason VARCHAR NOT NULL,
-    raw VARCHAR NOT NULL
-);
 CREATE TABLE IF NOT EXISTS prices (
     model VARCHAR PRIMARY KEY,
     prefill_per_m DOUBLE NOT NULL,
@@ -88,14 +73,25 @@ def _is_lock_error(exc: Exception) -> bool:
 
 
 @contextmanager
-def connect(store_path: Path, read_only: bool = False, timeout_s: float = LOCK_RETRY_S
-            ) -> Iterator[duckdb.DuckDBPyConnection]:
-    """Open the store briefly (creating it with the schema on first use), retrying while another
-    process holds the file."""
+def connect(store_path: Path, read_only: bool = False, timeout_s: float = LOCK_RETRY_S,
+            lake: Lake | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
+    """Open the control file briefly (creating it with the schema on first use), retrying while another
+    process holds it, with the lake's tables registered (`lake`: default `lake_for(store_path)`)."""
     store_path = Path(store_path)
+    lake = lake or lake_for(store_path)
     if read_only and not store_path.exists():
-        with connect(store_path, read_only=False, timeout_s=timeout_s):
-            pass
+        # A reader on a node without the control file (admin UI, autoscaler in deploy/): the lake's tables
+        # plus the default prices in memory.
+        con = duckdb.connect()
+        try:
+            _ensure_schema(con)
+            register_views(con, lake)
+            _lakes[id(con)] = lake
+            yield con
+        finally:
+            _lakes.pop(id(con), None)
+            con.close()
+        return
     store_path.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout_s
     delay = 0.005
@@ -108,12 +104,24 @@ def connect(store_path: Path, read_only: bool = False, timeout_s: float = LOCK_R
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 0.05)  # short: the holder is usually a ~0.1-1 s batch or query
+    _lakes[id(con)] = lake
     try:
         if not read_only:
             _ensure_schema(con)
+            _import_legacy(con, lake)
+        register_views(con, lake)
         yield con
     finally:
+        _lakes.pop(id(con), None)
         con.close()
+
+
+_lakes: dict[int, Lake] = {}  # open connection -> its lake, for insert_events / insert_rejects
+
+
+def lake_of(con: duckdb.DuckDBPyConnection) -> Lake:
+    """The lake of a connection opened by `connect()`."""
+    return _lakes[id(con)]
 
 
 def _ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
@@ -125,38 +133,108 @@ def _ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
                     "VALUES (?, ?, ?, ?)", DEFAULT_PRICES)
 
 
+LEGACY_CHUNK = 1_000_000
+
+
+def _import_legacy(con: duckdb.DuckDBPyConnection, lake: Lake) -> None:
+    """A control file from before the lake holds `usage_events` / `usage_rejects` tables (which the lake's
+    views would hide): move their rows into the lake once, then drop them. Each chunk is one commit carrying
+    the application transaction ("legacy-import:<table>", chunk), so a crash mid-way resumes without repeats."""
+    legacy = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE NOT temporary "
+                                        "AND table_name IN ('usage_events', 'usage_rejects')").fetchall()}
+    for name, table in (("usage_events", EVENTS), ("usage_rejects", REJECTS)):
+        if name not in legacy:
+            continue
+        app = f"legacy-import:{name}"
+        done = txn_version(lake, table, app)
+        rolled = txn_version(lake, ROLLUPS, app) if table == EVENTS else done
+        total = con.execute(f"SELECT count(*) FROM {name}").fetchall()[0][0]
+        key = "request_id" if name == "usage_events" else "id"
+        for chunk in range(min(done, rolled) + 1, (total + LEGACY_CHUNK - 1) // LEGACY_CHUNK):
+            frame = con.execute(f"SELECT * FROM {name} ORDER BY {key} LIMIT {LEGACY_CHUNK} "
+                                f"OFFSET {chunk * LEGACY_CHUNK}").df()
+            if name == "usage_events":
+                rows = events_table(frame[EVENT_COLUMNS], writer="legacy", seq=chunk)
+                if chunk > done:
+                    append(lake, EVENTS, rows, txn=(app, chunk))
+                append(lake, ROLLUPS, rollups.rollup(rows), txn=(app, chunk))  # chunk > rolled here
+            else:
+                rows = rejects_table(list(frame[["id", "reason", "raw"]].itertuples(index=False)), "legacy", chunk)
+                append(lake, REJECTS, rows, txn=(app, chunk))
+        con.execute(f"DROP TABLE {name}")
+        log.warning("usage store: moved %d rows of the legacy table %s into the lake %s", total, name, lake.uri)
+
+
+def events_table(rows_or_frame, writer: str = "direct", seq: int = 0, loaded_at: float | None = None) -> pa.Table:
+    """Event rows (tuples in EVENT_COLUMNS order, or a DataFrame with those columns) as an Arrow table of the
+    lake's events schema. Raises pyarrow.ArrowInvalid / ValueError for a value the store cannot hold
+    (e.g. a ts whose day is past year 9999)."""
+    if isinstance(rows_or_frame, pd.DataFrame):
+        cols = {c: pa.array(rows_or_frame[c].tolist(), type=t) for c, t in EVENT_FIELDS}
+    else:
+        columns = list(zip(*rows_or_frame)) if rows_or_frame else [[] for _ in EVENT_COLUMNS]
+        cols = {c: pa.array(list(columns[i]), type=t) for i, (c, t) in enumerate(EVENT_FIELDS)}
+    n = len(cols["ts"])
+    # day = UTC date of ts; the cast refuses (ArrowInvalid) a ts whose milliseconds overflow int64.
+    ms = pc.cast(pc.floor(pc.multiply(cols["ts"], 1000.0)), pa.int64())
+    cols["day"] = pc.cast(pc.cast(ms, pa.timestamp("ms")), pa.date32())
+    cols["load_writer"] = pa.array([writer] * n, pa.string())
+    cols["load_seq"] = pa.array([seq] * n, pa.int64())
+    cols["loaded_at"] = pa.array([time.time() if loaded_at is None else loaded_at] * n, pa.float64())
+    return pa.table(cols, schema=EVENTS_SCHEMA)
+
+
 def insert_events(con: duckdb.DuckDBPyConnection, frame: pd.DataFrame) -> int:
-    """Insert valid events (columns = EVENT_COLUMNS), ignoring request_ids already stored.
-    Returns the number of new rows. The caller de-duplicates inside the frame."""
+    """Append events (columns = EVENT_COLUMNS) and their rollups to the connection's lake, skipping
+    request_ids already stored on the same days. For tools and tests; the loader writes through
+    usage/loader.py's exactly-once path. Returns the number of new rows."""
     if frame.empty:
         return 0
-    con.register("incoming", frame)
+    lake = lake_of(con)
+    table = events_table(frame.drop_duplicates("request_id"))
+    con.register("incoming", table)
     try:
-        cols = ", ".join(EVENT_COLUMNS)
-        # day = UTC date: epoch_ms gives a naive UTC timestamp, so no time-zone setting is involved.
-        # INSERT OR IGNORE answers with the number of rows it really inserted.
-        return con.execute(f"INSERT OR IGNORE INTO usage_events ({cols}, day) "
-                           f"SELECT {cols}, CAST(epoch_ms(CAST(ts * 1000 AS BIGINT)) AS DATE) FROM incoming"
-                           ).fetchall()[0][0]
+        days = [d[0] for d in con.execute("SELECT DISTINCT day FROM incoming").fetchall()]
+        known = {r[0] for r in con.execute(
+            "SELECT request_id FROM usage_events WHERE day IN (SELECT DISTINCT day FROM incoming) "
+            "AND request_id IN (SELECT request_id FROM incoming)").fetchall()} if days else set()
     finally:
         con.unregister("incoming")
+    if known:
+        table = table.filter(pc.invert(pc.is_in(table["request_id"], pa.array(sorted(known), pa.string()))))
+    if table.num_rows:
+        append(lake, EVENTS, table)
+        append(lake, ROLLUPS, rollups.rollup(table))
+        register_views(con, lake)  # this connection sees its own write
+    return table.num_rows
+
+
+def rejects_table(rows: list[tuple[str, str, str]], writer: str = "direct", seq: int = 0) -> pa.Table:
+    """rows: (id, reason, raw) as an Arrow table of the lake's rejects schema."""
+    now = dt.datetime.now(dt.UTC)
+    return pa.table({"id": [r[0] for r in rows], "rejected_at": pa.array([now] * len(rows), REJECTS_SCHEMA.field(
+                         "rejected_at").type),
+                     "reason": [r[1] for r in rows], "raw": [r[2] for r in rows],
+                     "load_writer": [writer] * len(rows), "load_seq": [seq] * len(rows)}, schema=REJECTS_SCHEMA)
 
 
 def insert_rejects(con: duckdb.DuckDBPyConnection, rows: list[tuple[str, str, str]]) -> None:
-    """rows: (id, reason, raw)."""
+    """rows: (id, reason, raw), appended to the connection's lake."""
     if rows:
-        con.executemany("INSERT OR IGNORE INTO usage_rejects (id, rejected_at, reason, raw) "
-                        "VALUES (?, current_timestamp, ?, ?)", rows)
+        append(lake_of(con), REJECTS, rejects_table(rows))
+        register_views(con, lake_of(con))
 
 
 def export_parquet(store_path: Path, out_dir: Path) -> list[Path]:
-    """Write usage_events as Parquet partitioned by day (out_dir/day=YYYY-MM-DD/*.parquet), replacing
-    earlier exports of the same days, plus prices and gpu_hours as single files."""
+    """Write usage_events as Parquet partitioned by day (out_dir/usage_events/day=YYYY-MM-DD/*.parquet),
+    replacing earlier exports of the same days, plus the rollups the same way and prices and gpu_hours as
+    single files. (The lake itself is already Parquet; this is a plain copy for tools without Delta.)"""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with connect(store_path, read_only=True) as con:
-        con.execute(f"COPY (SELECT * FROM usage_events ORDER BY day, ts) TO '{out_dir / 'usage_events'}' "
-                    "(FORMAT parquet, PARTITION_BY (day), OVERWRITE_OR_IGNORE true)").fetchall()
+        for view in ("usage_events", "usage_rollups"):
+            con.execute(f"COPY (SELECT * FROM {view} ORDER BY day) TO '{out_dir / view}' "
+                        "(FORMAT parquet, PARTITION_BY (day), OVERWRITE_OR_IGNORE true)").fetchall()
         for table in ("prices", "gpu_hours"):
             con.execute(f"COPY {table} TO '{out_dir / (table + '.parquet')}' (FORMAT parquet)").fetchall()
     return sorted(out_dir.rglob("*.parquet"))

@@ -6,8 +6,8 @@ bench/results/usage-throughput.json. Phases:
    producer's sender thread ships them to the broker; p50/p99/p99.9 of `emit()` itself. Peer in the same
    run: kafka-python's own `send()` called on the request path instead (no spool).
 2. producer drain: --events more are emitted as fast as possible, then flush(): spool -> Kafka events/s.
-3. loader: `UsageLoader.run()` (the production loop: poll/validate of batch N+1 overlaps the DuckDB write
-   of batch N) consumes everything into a fresh DuckDB store; events/s from the first stored batch on (so
+3. loader: `UsageLoader.run()` (the production loop: poll/validate of batch N+1 overlaps the lake write
+   of batch N: events + rollups Delta commits) consumes everything into a fresh usage lake; events/s from the first stored batch on (so
    without the consumer-group join; the rate including it is reported too), and per CPU-second.
 4. the same with `python -m usage.loader --workers N` (N processes in the consumer group).
 Targets (issue 5): emit p99 < 0.2 ms; loader >= 20,000 events/s.
@@ -79,9 +79,8 @@ def workers_run(bootstrap: str, topic: str, store_path: Path, workers: int, tota
     rows = 0
     try:
         while time.perf_counter() - t_start < 600:
-            if store_path.exists():
-                with store.connect(store_path, read_only=True) as con:
-                    rows = con.execute("SELECT count(*) FROM usage_events").fetchone()[0]
+            with store.connect(store_path, read_only=True) as con:  # the lake; no control file needed
+                rows = con.execute("SELECT count(*) FROM usage_events").fetchone()[0]
             if rows and first is None:
                 first = (time.perf_counter(), rows)
             if rows >= total:

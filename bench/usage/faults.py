@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 res = faultcheck.router_kill(settings, d, rate=2000.0, run_s=5.0, broker_down=True)
             res["wall_s"] = round(time.monotonic() - t0, 1)
-            res["exactly_once"] = res["missing"] == 0 and res["duplicates"] == 0 and res["unexpected"] == 0
+            res["exactly_once"] = res["missing"] == 0 and res["duplicates"] == 0 and res["unexpected"] == 0 \
+                and res["rollup_requests_off"] == 0 and res["rollup_tokens_off"] == 0  # rollups == raw rows
             print(json.dumps(res), flush=True)
             results.append(res)
     finally:
