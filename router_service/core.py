@@ -24,6 +24,7 @@ from router_service.gateway import Gateway, QuotaLedger
 from router_service.regions import candidate_tiers, home_region
 from router_service.registry_cache import CallerInfo, ModelInfo, RegistryCache, ReplicaInfo
 from router_service.replica_choice import ChoiceParams, Placement, ReplicaChooser
+from router_service.replica_probe import Healing, ReplicaProber
 from router_service.replica_state import ReplicaStateTable
 from router_service.replica_set import ReplicaSet
 from router_service.request import Finished, GenerateRequest, Prepared, TokenDelta
@@ -45,14 +46,15 @@ class Router:
     def __init__(self, registry: RegistryCache, usage_producer=None, region: str = "local",
                  choice: ChoiceParams | None = None, gateway: Gateway | None = None, max_waiting: int = 256,
                  batch_yield: BatchYield | None = None, start_wait_s: float = 600.0,
-                 timeouts: StreamTimeouts | None = None) -> None:
+                 timeouts: StreamTimeouts | None = None, healing: Healing | None = None) -> None:
         self.registry = registry
         self.usage = usage_producer
         self.region = region
         self.tokenizers = TokenizerCache()
         self.clients: dict[str, ReplicaClient] = {}
         self.replica_state = ReplicaStateTable()
-        self.replicas = ReplicaSet(registry, self.replica_state, start_wait_s)
+        self.healing = healing or Healing()
+        self.replicas = ReplicaSet(registry, self.replica_state, start_wait_s, self.healing.recover_wait_s)
         self.cordoned = self.replicas.cordoned  # replica -> monotonic time the router cordoned it
         self.chooser = ReplicaChooser(self.replica_state, choice)
         self.gateway = gateway or Gateway()
@@ -62,6 +64,7 @@ class Router:
         self.requests = InflightRequests()
         self.batch_yield = batch_yield or BatchYield()
         self.timeouts = timeouts or StreamTimeouts()
+        self.prober = ReplicaProber(registry, self.replicas, self.client_for, self.healing.probe)
 
     @property
     def inflight(self) -> dict[str, int]:
@@ -268,9 +271,14 @@ class Router:
                     upstream = client.generate(
                         req, p.prompt_ids + emitted, req.max_tokens - len(emitted), p.handle,
                         seed_offset=len(emitted) if req.seed is not None else 0, direct=direct and text.decoding)
+                    judge = self._judge_for(p, replica_id)
                     async with aclosing(guarded(upstream, self.timeouts.first_token_s[req.tier],
-                                                self.timeouts.inter_token_s[req.tier], req.deadline_ms)) as items:
+                                                self.timeouts.inter_token_s[req.tier], req.deadline_ms,
+                                                judge)) as items:
                         async for item in items:
+                            if judge.waited:  # it answered after a timeout: slow or resumed, not dead
+                                judge.waited = False
+                                self.replicas.answered(replica_id)
                             if isinstance(item, TokenDelta):
                                 if first_token_at is None:
                                     first_token_at = time.monotonic()
@@ -304,6 +312,14 @@ class Router:
                                 req.request_id, len(emitted), failures, exc)
                     if isinstance(exc, ReplicaHung):
                         metrics.STREAM_TIMEOUTS.labels(replica_id).inc()
+                        if self.replicas.is_last(p.model, replica_id):
+                            # never cordoned on timeouts alone: it stays suspect and probed; nothing else serves
+                            self.replicas.suspect_replica(replica_id, f"stream of {req.request_id}: {exc}")
+                            raise RouterError("unavailable", f"replica {replica_id}, the only one serving "
+                                              f"{p.model.name} version {p.model.version}, stopped responding ({exc}; "
+                                              f"no state report either); {len(emitted)} tokens were streamed and are "
+                                              f"billed; it is being probed and serves again once it answers",
+                                              retry_after_ms=int(self.healing.probe.max_interval_s * 1000)) from exc
                     if not exc.alive:  # a replica that answers with an error stays in service
                         kills.append(replica_id)
                         self.cordon(replica_id, f"stream of {req.request_id} broke: {exc}")
@@ -350,6 +366,9 @@ class Router:
             # shielded: a second cancellation while it is written does not leave the lease unsettled
             await asyncio.shield(self.quotas.settle_off_loop(p.req.request_id, len(p.prompt_ids) + len(emitted)))
 
+    def _judge_for(self, p: Prepared, replica_id: str) -> "_Judge":
+        return _Judge(self, p, replica_id)
+
     async def _decode_text_here(self, p: Prepared, text: StreamText, emitted: list[int]) -> None:
         """From here on the router decodes the stream's text itself (see StreamText)."""
         uri = p.model.weights_uri
@@ -373,5 +392,34 @@ class Router:
                     log.info("tokenizer for %s %s not preloaded: %s", info.name, info.version, exc)
 
     async def close(self) -> None:
+        await self.prober.close()
         for client in self.clients.values():
             await client.close()
+
+
+class _Judge:
+    """Decides, when a stream's timeout passes, whether to keep waiting on its replica (docs/reliability.md,
+    Slow is not dead): yes while the replica's reports show its engine stepping (slow: it gets no new work
+    meanwhile) up to healing.slow_limit_s; yes while it is the last serving replica of its model and
+    stopped reporting (suspect: probed) up to healing.recover_wait_s; otherwise no (hung)."""
+
+    def __init__(self, router: Router, p: Prepared, replica_id: str) -> None:
+        self.router, self.p, self.replica_id = router, p, replica_id
+        self.waited = False  # a timeout passed and the stream kept waiting
+
+    def __call__(self, got_token: bool, waited_s: float, limit_s: float) -> bool:
+        router, rid, healing = self.router, self.replica_id, self.router.healing
+        window = max(limit_s, router.replica_state.stale_after_s)
+        if router.replica_state.progressing(rid, window) and waited_s < healing.slow_limit_s:
+            router.replicas.hold(rid, window)
+            metrics.SLOW_WAITS.labels(rid).inc()
+            log.warning("replica %s is slow, not hung: %s waited %.1f s for a token while its engine kept stepping; "
+                        "no new work goes there for %.1f s", rid, self.p.req.request_id, waited_s, window)
+            self.waited = True
+            return True
+        if waited_s < healing.recover_wait_s and router.replicas.is_last(self.p.model, rid):
+            router.replicas.suspect_replica(rid, f"{self.p.req.request_id} got no token for {waited_s:.1f} s and "
+                                                 f"the replica sends no state reports")
+            self.waited = True
+            return True
+        return False

@@ -17,10 +17,11 @@ from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from router_service import http_security
 from router_service.admin_api import admin_router
 from router_service.core import Router
 from router_service.errors import RouterError
-from router_service.http_body import read_body
+from router_service.http_body import parse_json, read_body
 from router_service.metrics import refresh_replica_gauges
 from router_service.openai_schema import ChatBody, CompletionBody
 from router_service.request import TIERS, Finished, Prepared, TokenDelta
@@ -110,6 +111,7 @@ def create_app(router: Router) -> FastAPI:
         return {"id": request_id, "cancelled": True}
 
     app.include_router(admin_router(router))
+    http_security.install(app, lambda: router.registry.snapshot.admin_tokens)
     return app
 
 
@@ -123,11 +125,7 @@ def _describe(errors) -> str:
 
 async def _parse(request: Request, schema):
     """Parse the JSON body ourselves so every problem names its field (any Content-Type is accepted)."""
-    raw = await read_body(request, MAX_BODY_BYTES)
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RouterError("invalid_argument", f"body: not valid JSON ({exc})") from exc
+    data = parse_json(await read_body(request, MAX_BODY_BYTES))
     if not isinstance(data, dict):
         raise RouterError("invalid_argument", "body: must be a JSON object")
     try:

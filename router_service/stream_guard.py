@@ -5,8 +5,11 @@ Timeouts per tier are router settings (router_service/settings.py), as `interact
 or one number for every tier:
 - FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S: from the upstream call to its first token (prefill included);
 - FLEET_ROUTER_INTER_TOKEN_TIMEOUT_S: between two responses of a stream.
-A replica that misses one is treated as dead for this request: the router cordons it and resumes the
-stream elsewhere (see `Router.stream`).
+When one passes, the router judges the replica (docs/reliability.md, Slow is not dead): one whose state
+reports show its engine stepping is slow, not dead (the stream keeps waiting, new work is held back); the
+last serving replica of a model that stopped reporting is suspect, not cordoned (the stream keeps waiting
+up to FLEET_ROUTER_RECOVER_WAIT_S while it is probed); any other replica that misses one is treated as dead
+for this request: the router cordons it and resumes the stream elsewhere (see `Router.stream`).
 
 Slow readers: a gRPC stream's responses wait in a queue of at most FLEET_ROUTER_STREAM_QUEUE (256)
 responses; when it is full the request's upstream read pauses (backpressure down to the replica), and a
@@ -17,8 +20,9 @@ backpressure from the server's transport flow control (the SSE generator pauses 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from common.text import IncrementalDetokenizer
@@ -70,29 +74,51 @@ class ReplicaHung(ReplicaFailed):
     """The replica sent nothing within the first-token or inter-token timeout: treated as dead."""
 
 
-async def guarded(items: AsyncIterator, first_s: float, inter_s: float,
-                  deadline_ms: int | None) -> AsyncIterator[TokenDelta | Finished]:
+# judge(got_token, waited_s, limit_s) -> True to keep waiting: asked each time a timeout passes (see Router._judge)
+Judge = Callable[[bool, float, float], bool]
+
+
+async def guarded(items: AsyncIterator, first_s: float, inter_s: float, deadline_ms: int | None,
+                  judge: Judge | None = None) -> AsyncIterator[TokenDelta | Finished]:
     """Re-yield `items`, waiting at most first_s for the first token and inter_s between responses, and
-    never past the caller's deadline. Time the consumer spends between items is not counted."""
+    never past the caller's deadline. Time the consumer spends between items is not counted.
+
+    When a timeout passes, `judge` decides whether the replica is slow (it reports engine progress) or may
+    come back (the last replica of its model), and the wait goes on for another period on the same upstream
+    call, so the tokens a slow or resumed replica sends are not lost; otherwise ReplicaHung."""
     got_token = False
+    pending: asyncio.Future | None = None
     try:
         while True:
             limit = inter_s if got_token else first_s
-            left = None if deadline_ms is None else deadline_ms / 1000 - time.time()
-            wait = limit if left is None else max(0.0, min(limit, left))
+            waited = 0.0
+            pending = asyncio.ensure_future(anext(items))
+            while True:
+                left = None if deadline_ms is None else deadline_ms / 1000 - time.time()
+                wait = limit if left is None else max(0.0, min(limit, left))
+                done, _ = await asyncio.wait((pending,), timeout=wait)
+                if done:
+                    break
+                if left is not None and left <= limit:
+                    raise DeadlineReached()
+                waited += wait
+                if judge is None or not judge(got_token, waited, limit):
+                    what = "inter-token" if got_token else "first-token"
+                    raise ReplicaHung(f"no response within the {what} timeout of {limit:g} s"
+                                      + (f" (waited {waited:g} s)" if waited > limit else ""))
             try:
-                async with asyncio.timeout(wait):
-                    item = await anext(items)
+                item = pending.result()
             except StopAsyncIteration:
                 return
-            except TimeoutError:
-                if left is not None and left <= limit:
-                    raise DeadlineReached() from None
-                what = "inter-token" if got_token else "first-token"
-                raise ReplicaHung(f"no response within the {what} timeout of {limit:g} s") from None
+            finally:
+                pending = None
             got_token = got_token or isinstance(item, TokenDelta)
             yield item
     finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
         await items.aclose()
 
 
