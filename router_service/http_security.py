@@ -116,7 +116,30 @@ def install(app: FastAPI, identities: Callable[[], tuple[AdminIdentity, ...]]) -
 
     def public_schema() -> dict:
         if app.openapi_schema is None:
-            routes = [r for r in app.routes if not getattr(r, "path", "").startswith(ADMIN_PREFIX)]
-            app.openapi_schema = get_openapi(title=app.title, version=app.version, routes=routes)
+            app.openapi_schema = public_only(get_openapi(title=app.title, version=app.version, routes=app.routes))
         return app.openapi_schema
     app.openapi = public_schema
+
+
+def public_only(schema: dict) -> dict:
+    """The schema without the admin paths and without the component schemas only they used."""
+    paths = {p: v for p, v in schema.get("paths", {}).items() if not p.startswith(ADMIN_PREFIX)}
+    components = schema.get("components", {}).get("schemas", {})
+    keep: set[str] = set()
+    todo = [paths]
+    while todo:  # every component reachable from a public path, through $refs
+        node = todo.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/components/schemas/"):
+                name = ref.rsplit("/", 1)[1]
+                if name not in keep and name in components:
+                    keep.add(name)
+                    todo.append(components[name])
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    out = {**schema, "paths": paths}
+    if "components" in schema:
+        out["components"] = {**schema["components"], "schemas": {k: v for k, v in components.items() if k in keep}}
+    return out
