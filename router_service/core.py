@@ -29,6 +29,7 @@ from router_service.replica_state import ReplicaStateTable
 from router_service.replica_set import ReplicaSet
 from router_service.request import Finished, GenerateRequest, Prepared, TokenDelta
 from router_service.rollout import VersionReadiness
+from router_service.stream_judge import StreamJudge
 from router_service.stream_guard import DeadlineReached, ReplicaHung, StreamText, StreamTimeouts, guarded
 from router_service.tokenization import TokenizerCache
 from router_service.upstream import Preempted, ReplicaClient, ReplicaFailed
@@ -257,7 +258,7 @@ class Router:
                                                 emitted, replica_id, cached_tokens)
                         break
                 replica_id = placement.replica.replica_id
-                attempt_started, prefill_pending = time.monotonic(), True
+                attempt_started, prefill_pending, judge = time.monotonic(), True, None
                 if first_token_at is None and not failures:
                     metrics.DISPATCH.labels(req.model, req.tier).observe(attempt_started - p.arrived)
                 if req.tier == "batch" and p.handle is not None:
@@ -271,14 +272,14 @@ class Router:
                     upstream = client.generate(
                         req, p.prompt_ids + emitted, req.max_tokens - len(emitted), p.handle,
                         seed_offset=len(emitted) if req.seed is not None else 0, direct=direct and text.decoding)
-                    judge = self._judge_for(p, replica_id)
+                    judge = StreamJudge(self.replica_state, self.replicas, self.healing, p.model, req.request_id,
+                                        replica_id)
                     async with aclosing(guarded(upstream, self.timeouts.first_token_s[req.tier],
                                                 self.timeouts.inter_token_s[req.tier], req.deadline_ms,
                                                 judge)) as items:
                         async for item in items:
                             if judge.waited:  # it answered after a timeout: slow or resumed, not dead
-                                judge.waited = False
-                                self.replicas.answered(replica_id)
+                                judge.settle()
                             if isinstance(item, TokenDelta):
                                 if first_token_at is None:
                                     first_token_at = time.monotonic()
@@ -342,6 +343,8 @@ class Router:
                         log.info("resuming %s on another replica from prompt + %d emitted tokens", req.request_id,
                                  len(emitted))
                 finally:
+                    if judge is not None:
+                        judge.settle_hold()
                     if req.tier == "batch" and p.handle is not None:
                         self.batch_yield.batch_ended(key, p.handle)
                     self._release_slot(placement, p.model, time.monotonic() - attempt_started)
@@ -365,9 +368,6 @@ class Router:
             account(self.usage, p, finish, status, len(emitted), first_token_at, replica_id, ledger)
             # shielded: a second cancellation while it is written does not leave the lease unsettled
             await asyncio.shield(self.quotas.settle_off_loop(p.req.request_id, len(p.prompt_ids) + len(emitted)))
-
-    def _judge_for(self, p: Prepared, replica_id: str) -> "_Judge":
-        return _Judge(self, p, replica_id)
 
     async def _decode_text_here(self, p: Prepared, text: StreamText, emitted: list[int]) -> None:
         """From here on the router decodes the stream's text itself (see StreamText)."""
@@ -396,30 +396,3 @@ class Router:
         for client in self.clients.values():
             await client.close()
 
-
-class _Judge:
-    """Decides, when a stream's timeout passes, whether to keep waiting on its replica (docs/reliability.md,
-    Slow is not dead): yes while the replica's reports show its engine stepping (slow: it gets no new work
-    meanwhile) up to healing.slow_limit_s; yes while it is the last serving replica of its model and
-    stopped reporting (suspect: probed) up to healing.recover_wait_s; otherwise no (hung)."""
-
-    def __init__(self, router: Router, p: Prepared, replica_id: str) -> None:
-        self.router, self.p, self.replica_id = router, p, replica_id
-        self.waited = False  # a timeout passed and the stream kept waiting
-
-    def __call__(self, got_token: bool, waited_s: float, limit_s: float) -> bool:
-        router, rid, healing = self.router, self.replica_id, self.router.healing
-        window = max(limit_s, router.replica_state.stale_after_s)
-        if router.replica_state.progressing(rid, window) and waited_s < healing.slow_limit_s:
-            router.replicas.hold(rid, window)
-            metrics.SLOW_WAITS.labels(rid).inc()
-            log.warning("replica %s is slow, not hung: %s waited %.1f s for a token while its engine kept stepping; "
-                        "no new work goes there for %.1f s", rid, self.p.req.request_id, waited_s, window)
-            self.waited = True
-            return True
-        if waited_s < healing.recover_wait_s and router.replicas.is_last(self.p.model, rid):
-            router.replicas.suspect_replica(rid, f"{self.p.req.request_id} got no token for {waited_s:.1f} s and "
-                                                 f"the replica sends no state reports")
-            self.waited = True
-            return True
-        return False

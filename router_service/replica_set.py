@@ -4,7 +4,8 @@ back from new work, and which it cordoned after a failure (docs/reliability.md, 
 Usable means: `serving` in the router's registry snapshot and not cordoned by this router. A cordon lifts
 when the registry records a restart (a new process id) or when a probe of the replica answers
 (`uncordon`, router_service/replica_probe.py). Placeable means usable and not held back: a replica is held
-while it is *overloaded* (a stream timed out but its reports show the engine stepping: slow, not dead) and
+while it is *overloaded* (a stream of it waits past its timeout while its reports show the engine
+stepping: slow, not dead) and
 while it is *suspect* (a stream timed out on the last serving replica of its model while it stopped
 reporting: never cordoned on timeouts alone, probed instead). Requests for a version whose replicas are
 held, or starting (a registry row in `starting`/`loading` younger than `start_wait_s`), wait in the
@@ -39,7 +40,7 @@ class ReplicaSet:
         self.cordoned: dict[str, float] = {}  # replica -> monotonic time the router cordoned it
         self.cordon_pids: dict[str, int] = {}  # replica -> its registry pid when cordoned
         self.suspect: dict[str, float] = {}   # replica -> monotonic time it became suspect (see module doc)
-        self.held_until: dict[str, float] = {}  # overloaded replica -> monotonic time new work may go again
+        self.slow: dict[str, int] = {}  # overloaded replica -> its streams waiting past a timeout (judged slow)
         self.on_trouble: Callable[[str], None] = lambda replica_id: None  # the prober's wake-up (replica_probe)
         self._readiness: dict[tuple[str, str], tuple[Snapshot, float, list[VersionReadiness]]] = {}
 
@@ -57,16 +58,8 @@ class ReplicaSet:
         return True
 
     def held(self, replica_id: str) -> bool:
-        """Held back from new work: suspect, or overloaded for a little longer."""
-        if replica_id in self.suspect:
-            return True
-        until = self.held_until.get(replica_id)
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        del self.held_until[replica_id]
-        return False
+        """Held back from new work: suspect, or overloaded (a stream of it waits past its timeout)."""
+        return replica_id in self.suspect or self.slow.get(replica_id, 0) > 0
 
     def serving(self, model: ModelInfo, exclude: set[str]) -> list[ReplicaInfo]:
         """The replicas new work may go to now."""
@@ -80,9 +73,17 @@ class ReplicaSet:
         """No other replica of this version is usable and unsuspected (one that is only overloaded counts)."""
         return not any(r.replica_id not in self.suspect for r in self._usable(model, {replica_id}))
 
-    def hold(self, replica_id: str, seconds: float) -> None:
-        """Back-pressure: send an overloaded replica no new work for `seconds` (renewed while it stays slow)."""
-        self.held_until[replica_id] = max(self.held_until.get(replica_id, 0.0), time.monotonic() + seconds)
+    def slow_begin(self, replica_id: str) -> None:
+        """Back-pressure: one of the replica's streams waits past its timeout while its engine steps."""
+        self.slow[replica_id] = self.slow.get(replica_id, 0) + 1
+
+    def slow_end(self, replica_id: str) -> None:
+        """That stream got its next response, or ended."""
+        left = self.slow.get(replica_id, 0) - 1
+        if left > 0:
+            self.slow[replica_id] = left
+        else:
+            self.slow.pop(replica_id, None)
 
     def suspect_replica(self, replica_id: str, why: str) -> None:
         """The last serving replica of its model stopped answering: hold it from new work and probe it."""

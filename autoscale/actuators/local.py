@@ -13,21 +13,23 @@ Healing (docs/reliability.md, Self-healing): a replica whose registry row is `co
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import signal
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from datetime import timezone
 
 import numpy as np
 
 from autoscale.actuators import PoolSpec, ReplicaCounts
 from autoscale.signals import replica_inflight, router_admits
 from autoscale.actuators.replicas import ReplicaSpec, replica_base_port, start_replica, stop_replica
+from common import processes
 from common.settings import REPO_ROOT, Settings
 from python_backends.engine.config import engine_overrides
 from sqlalchemy import select
@@ -62,6 +64,7 @@ class LocalActuator:
                  cpu_budget: bool = True, restart_cordoned_after_s: float = 30.0) -> None:
         self.settings = settings
         self.restart_cordoned_after_s = restart_cordoned_after_s
+        self.cordoned_since: dict[str, float] = {}  # replica -> monotonic time heal() first saw it cordoned
         # CPU budget: replicas x engine threads <= cores, so a new replica adds capacity instead of
         # sharing the same cores with the ones already running. cpu_budget=False lifts it (told so).
         self.cpu_cores = cpu_cores or len(os.sched_getaffinity(0))
@@ -110,26 +113,30 @@ class LocalActuator:
 
     # --- healing ---------------------------------------------------------------------------------
     def heal(self, pool: PoolSpec) -> list[str]:
-        """Restart this pool's replicas that a router cordoned at least restart_cordoned_after_s ago (their
-        probes kept failing); returns their ids."""
+        """Restart this pool's replicas that a router cordoned and that this actuator has seen cordoned for
+        restart_cordoned_after_s (the router's probes kept failing); returns their ids."""
         cordoned = self._cordoned_rows(pool)
+        now = time.monotonic()
         with self._lock:
-            candidates = [r for r in self.replicas.values() if r.pool == pool and r.state == "serving"
-                          and r.replica_id in cordoned]
-        if not candidates:
+            mine = [r for r in self.replicas.values() if r.pool == pool and r.state == "serving"]
+        for replica in mine:
+            if replica.replica_id in cordoned:
+                self.cordoned_since.setdefault(replica.replica_id, now)
+            else:
+                self.cordoned_since.pop(replica.replica_id, None)
+        due = [r for r in mine if now - self.cordoned_since.get(r.replica_id, now) >= self.restart_cordoned_after_s]
+        if not due:
             return []
-        cutoff = time.time() - self.restart_cordoned_after_s
         stuck = []
         with session_scope(self.settings.db_url) as session:
-            for replica in candidates:
+            for replica in due:  # whose cordon was the router's (an operator's is left alone)
                 last = session.scalars(select(AuditLog).where(AuditLog.target == replica.replica_id,
                                                               AuditLog.action.like("replica_%"))
                                        .order_by(AuditLog.id.desc()).limit(1)).first()
-                at = None if last is None else (last.at if last.at.tzinfo else last.at.replace(tzinfo=timezone.utc))
-                if last is not None and last.actor == "router" and last.action == "replica_cordoned" \
-                        and at.timestamp() <= cutoff:
+                if last is not None and last.actor == "router" and last.action == "replica_cordoned":
                     stuck.append(replica)
         for replica in stuck:
+            self.cordoned_since.pop(replica.replica_id, None)
             self.restart_replica(replica)
         return [r.replica_id for r in stuck]
 
@@ -141,6 +148,10 @@ class LocalActuator:
         self._event(replica, "restart")
 
         def again() -> None:
+            for info in processes.running(self.settings):  # cordoned and failing probes: nothing to drain, and a
+                if info["name"] == f"replica-{replica.replica_id}" and info["alive"]:  # frozen one ignores SIGTERM
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(info["pid"], signal.SIGKILL)
             stop_replica(self.settings, replica.replica_id)
             self._start(replica)
         thread = threading.Thread(target=again, name=f"restart-{replica.replica_id}", daemon=True)

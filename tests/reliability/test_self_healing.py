@@ -171,3 +171,41 @@ def test_a_cordoned_replica_is_probed_and_serves_again_after_it_resumes(stack):
     finally:
         for rid in stopped:
             _signal(stack, rid, signal.SIGCONT)
+
+
+def test_a_replica_that_keeps_failing_its_probe_is_restarted_by_the_local_actuator(stack):
+    from autoscale.actuators import PoolSpec
+    from autoscale.actuators.local import LocalActuator
+    from fleet.seed import DEFAULT_VERSION
+
+    pool = PoolSpec(MODEL, DEFAULT_VERSION)
+    actuator = LocalActuator(stack.settings, router_urls=[stack.http_url], admin_token=stack.admin_token,
+                             cpu_budget=False, restart_cordoned_after_s=2.0)
+    actuator.adopt(pool)
+    assert sorted(actuator.replicas) == stack.replica_ids
+    stopped: list[str] = []
+
+    async def hang_busy(so_far):
+        if not stopped and len(so_far.ids) >= 6:
+            busy = [r["replica_id"] for r in stack.fleet()["replicas"] if r["inflight"] > 0]
+            _signal(stack, busy[0], signal.SIGSTOP)
+            stopped.append(busy[0])
+    try:
+        out = asyncio.run(_stream(stack, CHATML.format(q="Describe the city of Rome in detail."), 32, "standard",
+                                  hang_busy))
+        assert stopped and out.error is None, out.error_message
+        rid, old_pid = stopped[0], stack.replica_pid(stopped[0])
+        time.sleep(1.0)  # the router's cordon reaches the registry
+        counts = actuator.counts(pool)
+        assert (counts.serving, counts.cordoned) == (1, 1), counts  # missing capacity, not serving
+        assert actuator.heal(pool) == []  # not yet: the router's probes get their chance first
+        time.sleep(2.5)  # it stays frozen: every probe fails, the actuator sees it cordoned all along
+        assert actuator.heal(pool) == [rid]
+        actuator.wait_idle(120)
+        assert stack.replica_pid(rid) != old_pid
+        stack.wait_serving([rid])  # the router took the restarted replica back (a new pid lifts its cordon)
+        assert _states(stack)[rid] == "serving"
+        assert actuator.counts(pool).serving == 2
+    finally:
+        for rid in stopped:
+            _signal(stack, rid, signal.SIGCONT)
