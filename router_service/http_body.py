@@ -17,6 +17,7 @@ from fastapi import Request
 from router_service.errors import RouterError, invalid
 
 MAX_JSON_DEPTH = 32  # the deepest legitimate body (chat messages with content parts) is 5 levels
+_SCALARS = {int, float, bool, type(None)}
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -60,8 +61,9 @@ def check_json(data: Any, what: str = "body") -> None:
             for key, item in value.items():
                 _check_text(key, f"{path}.{key!r}" if path else repr(key))
                 stack.append((item, f"{path}.{key}" if path else key, depth + 1))
-        elif isinstance(value, list):
-            stack.extend((item, f"{path}[{i}]" if path else f"[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, list) and not set(map(type, value)) <= _SCALARS:  # (token ids: nothing to check)
+            stack.extend((item, f"{path}[{i}]" if path else f"[{i}]", depth + 1) for i, item in enumerate(value)
+                         if isinstance(item, (str, list, dict)))
 
 
 def _check_text(text: str, where: str) -> None:

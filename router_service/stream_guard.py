@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -85,19 +86,19 @@ async def guarded(items: AsyncIterator, first_s: float, inter_s: float, deadline
 
     When a timeout passes, `judge` decides whether the replica is slow (it reports engine progress) or may
     come back (the last replica of its model), and the wait goes on for another period on the same upstream
-    call, so the tokens a slow or resumed replica sends are not lost; otherwise ReplicaHung."""
+    call, so the tokens a slow or resumed replica sends are not lost; otherwise ReplicaHung. To wait on the
+    call without cancelling it, a pump task reads it, one response ahead at most (the replica's stream keeps
+    its flow control)."""
+    pump = _Pump(items)
     got_token = False
-    pending: asyncio.Future | None = None
     try:
         while True:
             limit = inter_s if got_token else first_s
             waited = 0.0
-            pending = asyncio.ensure_future(anext(items))
-            while True:
+            while not pump.ready:
                 left = None if deadline_ms is None else deadline_ms / 1000 - time.time()
                 wait = limit if left is None else max(0.0, min(limit, left))
-                done, _ = await asyncio.wait((pending,), timeout=wait)
-                if done:
+                if await pump.wait(wait):
                     break
                 if left is not None and left <= limit:
                     raise DeadlineReached()
@@ -106,20 +107,77 @@ async def guarded(items: AsyncIterator, first_s: float, inter_s: float, deadline
                     what = "inter-token" if got_token else "first-token"
                     raise ReplicaHung(f"no response within the {what} timeout of {limit:g} s"
                                       + (f" (waited {waited:g} s)" if waited > limit else ""))
-            try:
-                item = pending.result()
-            except StopAsyncIteration:
+            item = pump.take()
+            if item is _END:
                 return
-            finally:
-                pending = None
+            if isinstance(item, BaseException):
+                raise item
             got_token = got_token or isinstance(item, TokenDelta)
             yield item
     finally:
-        if pending is not None and not pending.done():
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
+        await pump.close()
         await items.aclose()
+
+
+_END = object()
+
+
+class _Pump:
+    """Reads an async iterator in its own task, one item ahead of the consumer, so the consumer can stop
+    waiting (a timeout) without cancelling the read."""
+
+    def __init__(self, items: AsyncIterator) -> None:
+        self.items = items
+        self.buf: deque = deque()
+        self.loop = asyncio.get_running_loop()
+        self.waiter: asyncio.Future | None = None
+        self.space: asyncio.Future | None = None
+        self.task = self.loop.create_task(self._run())
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.buf)
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def _run(self) -> None:
+        try:
+            async for item in self.items:
+                self.buf.append(item)
+                self._wake()
+                while self.buf:  # wait until the consumer took it
+                    self.space = self.loop.create_future()
+                    await self.space
+        except BaseException as exc:  # noqa: BLE001 (handed to the consumer, raised there)
+            self.buf.append(exc)
+        else:
+            self.buf.append(_END)
+        self._wake()
+
+    async def wait(self, seconds: float) -> bool:
+        """True once an item (or the end) is ready, False after `seconds` without one."""
+        waiter = self.waiter = self.loop.create_future()
+        timer = self.loop.call_later(seconds, self._wake)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self.waiter = None
+        return bool(self.buf)
+
+    def take(self) -> object:
+        item = self.buf.popleft()
+        if self.space is not None and not self.space.done():
+            self.space.set_result(None)
+        return item
+
+    async def close(self) -> None:
+        if not self.task.done():
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
 
 
 class StreamText:
