@@ -4,9 +4,9 @@ to a real tansu broker, loaded into DuckDB) in front of three real Triton replic
 - replica r0 is slow all along (`FLEET_ENGINE_TEST_STEP_SLEEP_S`: every engine step sleeps longer than the
   standard tier's inter-token timeout, which is set to 1 s here), and a real CPU hog (busy processes, one per
   core) runs for 15 s;
-- replica r1 is frozen (SIGSTOP) for 20 s and resumed (SIGCONT);
+- replica r1 is frozen (SIGSTOP) for 20 s and resumed (SIGCONT): the router's probes put it back;
 - replica r2 is killed (SIGKILL); the local actuator's `heal` (called every 2 s, as the autoscaler does)
-  restarts it once it has stayed cordoned.
+  restarts it once it has stayed cordoned for 30 s.
 
 At the end: every request either finished or failed with a clear error, every model serves again with no
 operator, every streamed token is billed exactly once. Prints and writes a JSON summary
@@ -71,6 +71,7 @@ async def _traffic(stack: RouterStack, workers: int, run_s: float, deadline_s: f
             out = await stream_once(client, DEFAULT_MODEL, CHATML.format(q=f"Tell story {w}-{n} about a river."), 32,
                                     stack.api_key, deadline_ms=int((time.time() + deadline_s) * 1000))
             results.append({"id": out.response_id, "tokens": len(out.ids), "finish": out.finish_reason,
+                            "ttft_s": None if out.ttft_s is None else round(out.ttft_s, 2),
                             "error": out.error, "message": out.error_message[:300],
                             "took_s": round(time.monotonic() - started, 2)})
             if out.error is not None:
@@ -106,7 +107,7 @@ def main() -> int:
         threading.Thread(target=loader.run, args=(stop_loader, 0.5), daemon=True).start()
         pool = PoolSpec(DEFAULT_MODEL, DEFAULT_VERSION)
         actuator = LocalActuator(stack.settings, router_urls=[stack.http_url], admin_token=stack.admin_token,
-                                 cpu_budget=False, restart_cordoned_after_s=10.0)
+                                 cpu_budget=False, restart_cordoned_after_s=30.0)
         actuator.adopt(pool)
         restarted: list[str] = []
         events: list[tuple[float, str]] = []
@@ -140,11 +141,12 @@ def main() -> int:
         results = asyncio.run(_traffic(stack, args.workers, args.run_s, 60.0))
         traffic_end = time.monotonic()
         # every model serves again, no operator: a request succeeds, and the frozen replica is back in service
-        serves_again_s = None
+        serves_again_s, after = None, []
         while time.monotonic() - traffic_end < 60:
             out = asyncio.run(_traffic(stack, 1, 0.1, 30.0))[0]
-            if out["error"] is None:
-                serves_again_s = round(time.monotonic() - traffic_end, 1)
+            after.append(out)
+            if out["error"] is None:  # its first token came ttft_s after the request was sent
+                serves_again_s = round(time.monotonic() - traffic_end - out["took_s"] + out["ttft_s"], 1)
                 break
             time.sleep(1)
         actuator.wait_idle(120)
@@ -166,14 +168,15 @@ def main() -> int:
             "errors": dict(Counter(f"{r['error']}: {r['message'][:80]}" for r in results if r["error"] is not None)),
             "errors_without_message": len(unclear), "requests_without_id": sum(not r["id"] for r in results),
             "max_request_s": max((r["took_s"] for r in results), default=0),
-            "serves_again_after_traffic_s": serves_again_s, "replica_states_at_end": states,
+            "serves_again_after_traffic_s": serves_again_s, "requests_after_traffic": after,
+            "replica_states_at_end": states,
             "restarted_by_actuator": restarted, "billing_mismatches": len(mismatches),
             "billing_mismatch_examples": dict(list(mismatches.items())[:5]),
             "tokens_received": sum(received.values()),
             "router_metrics": {k: metric(k) for k in (
                 "fleet_router_cordons_total", "fleet_router_uncordons_total", "fleet_router_slow_replica_waits_total",
                 "fleet_router_replica_suspects_total", "fleet_router_stream_timeouts_total",
-                "fleet_router_resumes_total", "fleet_router_retries_total")},
+                "fleet_router_resumes_total", "fleet_router_retries_total", "fleet_router_replica_probes_total")},
             "load_avg_after": os.getloadavg()})
         stop_loader.set()
     finally:

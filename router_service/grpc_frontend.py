@@ -193,7 +193,8 @@ def _stream_error(request: pb.ModelInferRequest, exc: RouterError) -> pb.ModelSt
 
 
 async def start_grpc_server(router: Router, host: str, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server(interceptors=[DecodeGuard()], options=[("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    server = grpc.aio.server(interceptors=[DecodeGuard()],  # undecodable bytes: INVALID_ARGUMENT, not UNKNOWN
+                             options=[("grpc.max_receive_message_length", 16 * 1024 * 1024),
                                       ("grpc.max_send_message_length", 16 * 1024 * 1024)])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(router), server)
     server.add_insecure_port(f"{host}:{port}")

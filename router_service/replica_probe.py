@@ -55,8 +55,8 @@ class _Target:
 
 
 class ReplicaProber:
-    def __init__(self, registry: RegistryCache, replicas: ReplicaSet, client_for: Callable[[ReplicaInfo], ReplicaClient],
-                 settings: ProbeSettings | None = None) -> None:
+    def __init__(self, registry: RegistryCache, replicas: ReplicaSet,
+                 client_for: Callable[[ReplicaInfo], ReplicaClient], settings: ProbeSettings | None = None) -> None:
         self.registry = registry
         self.replicas = replicas
         self.client_for = client_for

@@ -86,12 +86,14 @@ class ReplicaStateTable:
             return None
         return state
 
-    def progressing(self, replica_id: str, window_s: float) -> bool:
-        """The replica reports (fresh) and its engine completed a step within the last `window_s` seconds:
-        busy, not hung. False for a reporter without a step counter (judged by timeouts alone)."""
-        state = self.fresh(replica_id)
-        return state is not None and state.progress_at is not None and \
-            time.monotonic() - state.progress_at <= window_s
+    def progressing(self, replica_id: str, window_s: float, fresh_s: float) -> bool:
+        """The replica's last report is at most `fresh_s` old and its engine completed a step within the last
+        `window_s` seconds: busy, not hung. False for a reporter without a step counter (judged by timeouts
+        alone). Reports come between steps, so `fresh_s` must exceed the longest step a slow replica takes."""
+        state = self.states.get(replica_id)
+        now = time.monotonic()
+        return state is not None and state.progress_at is not None and now - state.received_at <= fresh_s \
+            and now - state.progress_at <= window_s
 
     def note_routed(self, replica_id: str, hashes: list[int]) -> None:
         """Remember that these prompt blocks are about to be cached on replica_id."""

@@ -35,8 +35,9 @@ class StreamJudge:
 
     def __call__(self, got_token: bool, waited_s: float, limit_s: float) -> bool:
         rid = self.replica_id
-        window = max(limit_s, self.states.stale_after_s)
-        if self.states.progressing(rid, window) and waited_s < self.healing.slow_limit_s:
+        # a slow replica reports once per step: allow steps of up to twice the routing staleness bound (4 s)
+        fresh_s = 2 * self.states.stale_after_s
+        if self.states.progressing(rid, max(limit_s, fresh_s), fresh_s) and waited_s < self.healing.slow_limit_s:
             if not self.slowing:
                 self.slowing = True
                 self.replicas.slow_begin(rid)
