@@ -33,6 +33,7 @@ from common import processes
 from common.settings import REPO_ROOT, Settings
 from python_backends.engine.config import engine_overrides
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 
 from registry.db import session_scope
 from registry.queries import list_replicas, set_replica_state
@@ -107,9 +108,13 @@ class LocalActuator:
                              cordoned=sum(r.state == "serving" and r.replica_id in cordoned for r in mine))
 
     def _cordoned_rows(self, pool: PoolSpec) -> set[str]:
-        with session_scope(self.settings.db_url) as session:
-            return {r.replica_id for r in list_replicas(session, pool.model)
-                    if r.version == pool.version and r.state == "cordoned"}
+        try:
+            with session_scope(self.settings.db_url) as session:
+                return {r.replica_id for r in list_replicas(session, pool.model)
+                        if r.version == pool.version and r.state == "cordoned"}
+        except SQLAlchemyError as exc:  # registry unreadable: count by our own bookkeeping meanwhile
+            log.warning("cannot read cordoned replicas of %s from the registry: %s", pool.name, exc)
+            return set()
 
     # --- healing ---------------------------------------------------------------------------------
     def heal(self, pool: PoolSpec) -> list[str]:
