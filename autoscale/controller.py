@@ -170,7 +170,10 @@ class Controller:
         except Exception as exc:  # no signals: hold the current size rather than guess
             log.warning("pool %s: cannot read signals (%s); holding", pool.spec.name, exc)
             return None
-        counts = self.actuator.counts(pool.spec)
+        heal = getattr(self.actuator, "heal", None)
+        if heal is not None:  # restart replicas the routers cordoned and could not probe back
+            heal(pool.spec)
+        counts = self.actuator.counts(pool.spec)  # cordoned replicas are missing capacity, not serving
         slots = max(counts.serving, 1) * pool.max_running_per_replica
         sig.load = max(sig.load, min(1.0, (sig.running + sig.waiting) / slots))
         # batch demand: the batch requests queued in the router, due by their earliest deadline

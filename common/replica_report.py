@@ -37,6 +37,9 @@ class ReplicaReport(BaseModel):
     queue_wait_ms_p95: Gauge = 0.0
     ttft_ms_p95: Gauge = 0.0
     tokens_per_s: Gauge = 0.0
+    # engine steps completed since start; None = not known (a reporter beside TensorRT-LLM). The router tells a
+    # slow replica (the counter moves) from a hung one (docs/reliability.md, Slow is not dead)
+    steps: Count | None = None
     adapters_loaded: list[Name] = Field(default_factory=list, max_length=4096)
     full_snapshot: StrictBool = False
     draining: StrictBool = False

@@ -3,7 +3,10 @@
 Each replica signs its reports with its own key, derived from the fleet's report secret and its replica id
 (`replica_key`): a replica can only speak for itself, and a leaked replica key does not let anyone forge
 other replicas' reports. A signature covers a timestamp and the exact body bytes, so a captured report
-cannot be altered and is refused once older than `MAX_SKEW_S`.
+cannot be altered and is refused once older than `MAX_SKEW_S`. A second signature, in the same header,
+covers the timestamp, the replica id and the body's length (`n=`, `h1=`): the router checks it from the
+headers alone (`verify_report_head`) and then reads at most that many bytes, so a peer without the key
+makes the router read no body at all.
 
 Senders (the engine's `StateReporter`, a GPU state reporter) call `post_report`; the router calls
 `verify_report`. The secret is FLEET_REPORT_SECRET or `<data dir>/report-secret` (created on first use, mode
@@ -59,15 +62,46 @@ def sign(key: str, body: bytes, ts: int | None = None) -> str:
     return f"t={ts},v1={mac}"
 
 
-def verify_report(secret: bytes, replica_id: str, body: bytes, header: str | None) -> None:
-    """Raise ReportAuthError unless `header` is a fresh signature of `body` by `replica_id`'s key."""
+def _head_mac(key: str, replica_id: str, ts: int, length: int) -> str:
+    return hmac.new(key.encode(), f"head.{ts}.{replica_id}.{length}".encode(), hashlib.sha256).hexdigest()
+
+
+def sign_head(key: str, replica_id: str, body: bytes, ts: int | None = None) -> str:
+    """The full signature header: the body's signature plus the head's (length and replica, from headers)."""
+    ts = int(time.time()) if ts is None else ts
+    return f"{sign(key, body, ts)},n={len(body)},h1={_head_mac(key, replica_id, ts, len(body))}"
+
+
+def _parts(header: str | None) -> dict[str, str]:
     if not header:
         raise ReportAuthError(f"{SIGNATURE_HEADER}: missing; reports must be signed with the replica's key")
     try:
         parts = dict(p.split("=", 1) for p in header.split(","))
-        ts, mac = int(parts["t"]), parts["v1"]
+        int(parts["t"]), parts["v1"]
     except (KeyError, ValueError) as exc:
-        raise ReportAuthError(f"{SIGNATURE_HEADER}: malformed; expected 't=<unix seconds>,v1=<hex hmac>'") from exc
+        raise ReportAuthError(f"{SIGNATURE_HEADER}: malformed; expected 't=<unix seconds>,v1=<hex hmac>,"
+                              f"n=<body bytes>,h1=<hex hmac>'") from exc
+    return parts
+
+
+def verify_report_head(secret: bytes, replica_id: str, header: str | None) -> int:
+    """From the headers alone: the body length `replica_id` signed for, fresh; ReportAuthError otherwise."""
+    parts = _parts(header)
+    ts = int(parts["t"])
+    if "n" not in parts or "h1" not in parts or not parts["n"].isdigit():
+        raise ReportAuthError(f"{SIGNATURE_HEADER}: no signed body length (n=, h1=); refused before reading the body")
+    if abs(time.time() - ts) > MAX_SKEW_S:
+        raise ReportAuthError(f"{SIGNATURE_HEADER}: timestamp {ts} is more than {MAX_SKEW_S:g} s from now")
+    length = int(parts["n"])
+    if not hmac.compare_digest(_head_mac(replica_key(secret, replica_id), replica_id, ts, length), parts["h1"]):
+        raise ReportAuthError(f"{SIGNATURE_HEADER}: head signature does not match replica {replica_id!r}")
+    return length
+
+
+def verify_report(secret: bytes, replica_id: str, body: bytes, header: str | None) -> None:
+    """Raise ReportAuthError unless `header` is a fresh signature of `body` by `replica_id`'s key."""
+    parts = _parts(header)
+    ts, mac = int(parts["t"]), parts["v1"]
     if abs(time.time() - ts) > MAX_SKEW_S:
         raise ReportAuthError(f"{SIGNATURE_HEADER}: timestamp {ts} is more than {MAX_SKEW_S:g} s from now")
     expected = sign(replica_key(secret, replica_id), body, ts).split("v1=", 1)[1]
@@ -78,7 +112,8 @@ def verify_report(secret: bytes, replica_id: str, body: bytes, header: str | Non
 def post_report(router_url: str, report: dict[str, Any], key: str, timeout_s: float = 0.5) -> None:
     """Sign and POST one report to a router's internal listener (raises on any failure)."""
     body = json.dumps(report).encode()
-    headers = {"content-type": "application/json", SIGNATURE_HEADER: sign(key, body),
-               REPLICA_HEADER: str(report.get("replica_id", ""))}
+    replica_id = str(report.get("replica_id", ""))
+    headers = {"content-type": "application/json", SIGNATURE_HEADER: sign_head(key, replica_id, body),
+               REPLICA_HEADER: replica_id}
     req = urllib.request.Request(router_url.rstrip("/") + REPORT_PATH, data=body, method="POST", headers=headers)
     urllib.request.urlopen(req, timeout=timeout_s).close()

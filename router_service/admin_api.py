@@ -16,13 +16,14 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from registry import queries
-from registry.admin_tokens import AdminIdentity, match_admin_token
+from registry.admin_tokens import AdminIdentity
 from registry.db import session_scope
 from registry.quality import gate_reports
 from registry.warm_buffers import set_warm_buffer
 from router_service.admin_budgets_rules import register_budget_and_rule_routes
 from router_service.core import Router
 from router_service.errors import RouterError
+from router_service.http_security import admin_identity
 from router_service.rollout import DEFAULT_GATE_PERCENT, ramp_gate_problems
 
 
@@ -59,15 +60,8 @@ def admin_router(router: Router) -> APIRouter:
     db_url = router.registry.db_url
 
     def identity(request: Request, need: str) -> AdminIdentity:
-        auth = request.headers.get("authorization", "")
-        token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        who = match_admin_token(router.registry.snapshot.admin_tokens, token) if token else None
-        if who is None:
-            raise RouterError("unauthenticated", "admin endpoints need 'authorization: Bearer <admin or viewer token>'")
-        if need == "operator" and who.role != "operator":
-            raise RouterError("permission_denied", f"{who.name!r} is a {who.role}; changing the fleet needs an "
-                                                   f"operator token")
-        return who
+        # the same check http_security.AdminGate made before the body was read (the handler needs the name)
+        return admin_identity(router.registry.snapshot.admin_tokens, request.headers, need)
 
     def role_of(request: Request, need: str) -> str:
         """The acting token's name (the audit log's actor)."""

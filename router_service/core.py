@@ -25,10 +25,12 @@ from router_service.gateway import Gateway, QuotaLedger
 from router_service.regions import candidate_tiers, home_region
 from router_service.registry_cache import CallerInfo, ModelInfo, RegistryCache, ReplicaInfo
 from router_service.replica_choice import ChoiceParams, Placement, ReplicaChooser
+from router_service.replica_probe import Healing, ReplicaProber
 from router_service.replica_state import ReplicaStateTable
 from router_service.replica_set import ReplicaSet
 from router_service.request import Finished, GenerateRequest, Prepared, TokenDelta
 from router_service.rollout import VersionReadiness
+from router_service.stream_judge import StreamJudge
 from router_service.stream_guard import DeadlineReached, ReplicaHung, StreamText, StreamTimeouts, guarded
 from router_service.tokenization import TokenizerCache
 from router_service.upstream import Preempted, ReplicaClient, ReplicaFailed
@@ -46,14 +48,15 @@ class Router:
     def __init__(self, registry: RegistryCache, usage_producer=None, region: str = "local",
                  choice: ChoiceParams | None = None, gateway: Gateway | None = None, max_waiting: int = 256,
                  batch_yield: BatchYield | None = None, start_wait_s: float = 600.0,
-                 timeouts: StreamTimeouts | None = None) -> None:
+                 timeouts: StreamTimeouts | None = None, healing: Healing | None = None) -> None:
         self.registry = registry
         self.usage = usage_producer
         self.region = region
         self.tokenizers = TokenizerCache()
         self.clients: dict[str, ReplicaClient] = {}
         self.replica_state = ReplicaStateTable()
-        self.replicas = ReplicaSet(registry, self.replica_state, start_wait_s)
+        self.healing = healing or Healing()
+        self.replicas = ReplicaSet(registry, self.replica_state, start_wait_s, self.healing.recover_wait_s)
         self.cordoned = self.replicas.cordoned  # replica -> monotonic time the router cordoned it
         self.chooser = ReplicaChooser(self.replica_state, choice)
         self.gateway = gateway or Gateway()
@@ -63,6 +66,7 @@ class Router:
         self.requests = InflightRequests()
         self.batch_yield = batch_yield or BatchYield()
         self.timeouts = timeouts or StreamTimeouts()
+        self.prober = ReplicaProber(registry, self.replicas, self.client_for, self.healing.probe)
 
     @property
     def inflight(self) -> dict[str, int]:
@@ -263,7 +267,7 @@ class Router:
                                                 emitted, replica_id, cached_tokens)
                         break
                 replica_id = placement.replica.replica_id
-                attempt_started, prefill_pending, attempt_error = time.monotonic(), True, None
+                attempt_started, prefill_pending, attempt_error, judge = time.monotonic(), True, None, None
                 attempt_span, req.trace_context = tracing.start_attempt(replica_id, failures + 1, len(emitted))
                 if first_token_at is None and not failures:
                     metrics.DISPATCH.labels(req.model, req.tier).observe(attempt_started - p.arrived)
@@ -278,9 +282,14 @@ class Router:
                     upstream = client.generate(
                         req, p.prompt_ids + emitted, req.max_tokens - len(emitted), p.handle,
                         seed_offset=len(emitted) if req.seed is not None else 0, direct=direct and text.decoding)
+                    judge = StreamJudge(self.replica_state, self.replicas, self.healing, p.model, req.request_id,
+                                        replica_id)
                     async with aclosing(guarded(upstream, self.timeouts.first_token_s[req.tier],
-                                                self.timeouts.inter_token_s[req.tier], req.deadline_ms)) as items:
+                                                self.timeouts.inter_token_s[req.tier], req.deadline_ms,
+                                                judge)) as items:
                         async for item in items:
+                            if judge.waited:  # it answered after a timeout: slow or resumed, not dead
+                                judge.settle()
                             if isinstance(item, TokenDelta):
                                 if first_token_at is None:
                                     first_token_at = time.monotonic()
@@ -315,6 +324,14 @@ class Router:
                                 req.request_id, len(emitted), failures, exc)
                     if isinstance(exc, ReplicaHung):
                         metrics.STREAM_TIMEOUTS.labels(replica_id).inc()
+                        if self.replicas.is_last(p.model, replica_id):
+                            # never cordoned on timeouts alone: it stays suspect and probed; nothing else serves
+                            self.replicas.suspect_replica(replica_id, f"stream of {req.request_id}: {exc}")
+                            raise RouterError("unavailable", f"replica {replica_id}, the only one serving "
+                                              f"{p.model.name} version {p.model.version}, stopped responding ({exc}; "
+                                              f"no state report either); {len(emitted)} tokens were streamed and are "
+                                              f"billed; it is being probed and serves again once it answers",
+                                              retry_after_ms=int(self.healing.probe.max_interval_s * 1000)) from exc
                     if not exc.alive:  # a replica that answers with an error stays in service
                         kills.append(replica_id)
                         self.cordon(replica_id, f"stream of {req.request_id} broke: {exc}")
@@ -338,6 +355,8 @@ class Router:
                                  len(emitted))
                 finally:
                     tracing.end_attempt(attempt_span, len(emitted), attempt_error)
+                    if judge is not None:
+                        judge.settle_hold()
                     if req.tier == "batch" and p.handle is not None:
                         self.batch_yield.batch_ended(key, p.handle)
                     self._release_slot(placement, p.model, time.monotonic() - attempt_started)
@@ -386,5 +405,7 @@ class Router:
                     log.info("tokenizer for %s %s not preloaded: %s", info.name, info.version, exc)
 
     async def close(self) -> None:
+        await self.prober.close()
         for client in self.clients.values():
             await client.close()
+

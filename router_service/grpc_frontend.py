@@ -21,6 +21,7 @@ from tritonclient.grpc import service_pb2_grpc
 from router_service import tracing
 from router_service.core import Router
 from router_service.errors import RouterError
+from router_service.grpc_decode import DecodeGuard, Undecodable
 from router_service.kserve_codec import decode_request, encode_stream_response, merge_responses
 from router_service.visibility import visible_models
 
@@ -98,6 +99,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def _run(self, request: pb.ModelInferRequest, api_key: str | None):
         caller = self.router.authenticate(api_key)
+        if isinstance(request, Undecodable):  # on a stream: this request's bytes did not parse (grpc_decode)
+            raise RouterError("invalid_argument", request.message)
         prepared = await self.router.prepare(caller, decode_request(request))
         return prepared
 
@@ -198,7 +201,8 @@ def _stream_error(request: pb.ModelInferRequest, exc: RouterError) -> pb.ModelSt
 
 
 async def start_grpc_server(router: Router, host: str, port: int) -> grpc.aio.Server:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    server = grpc.aio.server(interceptors=[DecodeGuard()],  # undecodable bytes: INVALID_ARGUMENT, not UNKNOWN
+                             options=[("grpc.max_receive_message_length", 16 * 1024 * 1024),
                                       ("grpc.max_send_message_length", 16 * 1024 * 1024)])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(router), server)
     server.add_insecure_port(f"{host}:{port}")

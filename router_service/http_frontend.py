@@ -17,11 +17,12 @@ from starlette.background import BackgroundTask
 from pydantic import ValidationError
 
 from common.names import CLIENT_ID_RE, CLIENT_ID_RULE
+from router_service import http_security
 from router_service.admin_api import admin_router
 from router_service.budgets import warning_fields, warning_headers
 from router_service.core import Router
 from router_service.errors import RouterError
-from router_service.http_body import read_body
+from router_service.http_body import parse_json, read_body
 from router_service.metrics import prometheus_page
 from router_service.openai_schema import ChatBody, CompletionBody
 from router_service.request import TIERS, Finished, Prepared, TokenDelta
@@ -115,6 +116,7 @@ def create_app(router: Router) -> FastAPI:
         return {"id": request_id, "cancelled": True}
 
     app.include_router(admin_router(router))
+    http_security.install(app, lambda: router.registry.snapshot.admin_tokens)
     return app
 
 
@@ -136,11 +138,7 @@ def _describe(errors) -> str:
 
 async def _parse(request: Request, schema):
     """Parse the JSON body ourselves so every problem names its field (any Content-Type is accepted)."""
-    raw = await read_body(request, MAX_BODY_BYTES)
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RouterError("invalid_argument", f"body: not valid JSON ({exc})") from exc
+    data = parse_json(await read_body(request, MAX_BODY_BYTES))
     if not isinstance(data, dict):
         raise RouterError("invalid_argument", "body: must be a JSON object")
     try:

@@ -2,8 +2,11 @@
 
 Who may call it: registered replicas only. It listens on its own address (`--internal-host`, loopback by
 default; a pod-network address plus a NetworkPolicy in Kubernetes) and every report must carry a fresh
-signature by the reporting replica's own key (common/report_channel.py). A report is refused (401/403/404)
-when unsigned, signed by another key, stale, or from a replica the registry does not know; it is refused
+signature by the reporting replica's own key (common/report_channel.py). The signed head (replica, time,
+body length) is checked from the headers before any byte of the body is read, and then only that many
+bytes are read (at most MAX_REPORT_BYTES): a peer without the key makes the router hold no body. A report
+is refused (401/403/404) when unsigned, signed by another key, stale, or from a replica the registry does
+not know; it is refused
 (400) when it does not fit the `ReplicaReport` schema. Reports feed routing hints only: they can never lift
 a cordon (see `Router.serving_replicas`).
 
@@ -19,7 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from common.report_channel import REPLICA_HEADER, REPORT_PATH, SIGNATURE_HEADER, ReportAuthError, verify_report
+from common.report_channel import (REPLICA_HEADER, REPORT_PATH, SIGNATURE_HEADER, ReportAuthError, verify_report,
+                                   verify_report_head)
 from router_service import metrics
 from router_service.core import Router
 from router_service.errors import RouterError
@@ -52,9 +56,20 @@ def create_internal_app(router: Router, secret: bytes) -> FastAPI:
             raise RouterError("unauthenticated", f"{REPLICA_HEADER}: missing; say which replica reports")
         if replica_id not in {r.replica_id for r in router.registry.snapshot.replicas}:
             raise RouterError("not_found", f"{REPLICA_HEADER}: replica {replica_id[:128]!r} is not registered")
-        body = await read_body(request, MAX_REPORT_BYTES)
+        header = request.headers.get(SIGNATURE_HEADER)
         try:
-            verify_report(secret, replica_id, body, request.headers.get(SIGNATURE_HEADER))
+            # what the headers prove comes first: without the replica's key a peer makes us read no body
+            length = verify_report_head(secret, replica_id, header)
+        except ReportAuthError as exc:
+            log.warning("refused a state report for %s: %s", replica_id, exc)
+            raise RouterError("unauthenticated", str(exc)) from exc
+        if length > MAX_REPORT_BYTES:
+            raise RouterError("too_large", f"report: {length} bytes is over the limit of {MAX_REPORT_BYTES} bytes")
+        body = await read_body(request, length)
+        try:
+            if len(body) != length:
+                raise ReportAuthError(f"body: {len(body)} bytes, but {length} were signed for")
+            verify_report(secret, replica_id, body, header)
         except ReportAuthError as exc:
             log.warning("refused a state report for %s: %s", replica_id, exc)
             raise RouterError("unauthenticated", str(exc)) from exc

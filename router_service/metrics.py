@@ -89,6 +89,16 @@ USAGE_EMIT_ERRORS = Counter("fleet_router_usage_emit_errors_total", "Usage event
 USAGE_LEDGER_FULL = Counter("fleet_router_usage_ledger_full_total", "Streams that found no free slot in the "
                             "in-flight usage ledger (billed only when they end)")
 
+SLOW_WAITS = Counter("fleet_router_slow_replica_waits_total", "Stream timeouts judged 'slow, not dead': the replica "
+                     "kept reporting engine progress, so the stream kept waiting and new work was held back",
+                     ["replica"])
+SUSPECTS = Counter("fleet_router_replica_suspects_total", "Stream timeouts on the last serving replica of a model "
+                   "that had stopped reporting: not cordoned, held from new work and probed", ["replica"])
+PROBES = Counter("fleet_router_replica_probes_total", "Probes of cordoned or suspect replicas by outcome",
+                 ["replica", "outcome"])
+UNCORDONS = Counter("fleet_router_uncordons_total", "Replicas put back in service by the router after a probe "
+                    "answered", ["replica"])
+
 
 def prometheus_page(router):
     """The /metrics handler (callers' port and internal listener): replica gauges refreshed, then every metric."""

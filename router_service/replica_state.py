@@ -14,6 +14,12 @@ with: strict types, bounded sizes) before they touch routing state.
 Replicas that cannot report prefix hashes (GPU replicas: tensorrtllm_backend exposes no KV-cache events; their
 reports say `prefix_hashes_reported: false`) are judged on that routed-prefix history alone, kept for
 `history_ttl_s` instead of `pending_ttl_s`.
+
+Progress: a report's `steps` counter (engine steps completed) tells a slow replica from a hung one
+(docs/reliability.md, Slow is not dead). `progressing` is true while reports are fresh and the counter moved
+within the window asked for; reports are built on the engine's loop thread between steps, so a replica
+whose process is stopped or whose loop is stuck stops reporting, and one whose loop idles reports a
+counter that does not move.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ class ReplicaState:
     report: dict
     received_at: float
     prefix_hashes: set[int] = field(default_factory=set)
+    progress_at: float | None = None  # monotonic time a report last showed the step counter moving
 
     @property
     def block_size(self) -> int:
@@ -58,11 +65,17 @@ class ReplicaStateTable:
         report = report.model_dump()
         now = time.monotonic()
         state = self.states.get(replica_id)
+        before = None if state is None else state.report.get("steps")
+        progress_at = None if state is None else state.progress_at
         if state is None or report.get("full_snapshot"):
             if state is None:
                 log.info("first state report from replica %s", replica_id)
-            state = self.states[replica_id] = ReplicaState(report, now, set(report.get("prefix_hashes") or ()))
+            state = self.states[replica_id] = ReplicaState(report, now, set(report.get("prefix_hashes") or ()),
+                                                           progress_at)
             self.full_snapshots[replica_id] = now
+        steps = report.get("steps")
+        if steps is not None and (before is None or steps != before):
+            state.progress_at = now  # a restart resets the counter: any change is movement
         state.prefix_hashes.update(report.get("prefix_hashes_added") or ())
         state.prefix_hashes.difference_update(report.get("prefix_hashes_removed") or ())
         state.report, state.received_at = report, now
@@ -72,6 +85,15 @@ class ReplicaStateTable:
         if state is None or time.monotonic() - state.received_at > self.stale_after_s:
             return None
         return state
+
+    def progressing(self, replica_id: str, window_s: float, fresh_s: float) -> bool:
+        """The replica's last report is at most `fresh_s` old and its engine completed a step within the last
+        `window_s` seconds: busy, not hung. False for a reporter without a step counter (judged by timeouts
+        alone). Reports come between steps, so `fresh_s` must exceed the longest step a slow replica takes."""
+        state = self.states.get(replica_id)
+        now = time.monotonic()
+        return state is not None and state.progress_at is not None and now - state.received_at <= fresh_s \
+            and now - state.progress_at <= window_s
 
     def note_routed(self, replica_id: str, hashes: list[int]) -> None:
         """Remember that these prompt blocks are about to be cached on replica_id."""

@@ -15,11 +15,13 @@ from router_service.batch_yield import DEFAULT_GRACE_S, BatchYield
 from router_service.gateway import DEFAULT_BURST, DEFAULT_RATE_PER_S, Gateway
 from router_service.replica_choice import ChoiceParams
 from router_service.rollout import DEFAULT_GATE_PERCENT
+from router_service.replica_probe import Healing, ProbeSettings
 from router_service.stream_guard import (DEFAULT_FIRST_TOKEN_S, DEFAULT_INTER_TOKEN_S, DEFAULT_SLOW_READER_S,
                                          DEFAULT_STREAM_QUEUE, StreamTimeouts, per_tier)
 
 DEFAULT_MAX_WAITING = 256
 _CHOICE = ChoiceParams()
+_HEALING = Healing()
 
 
 class RouterSettings(BaseSettings):
@@ -46,6 +48,13 @@ class RouterSettings(BaseSettings):
     rollout_gate_percent: int = Field(DEFAULT_GATE_PERCENT, ge=0, le=100,
                                       description="a version may take more than this share of its model's traffic "
                                                   "only with a passed quality gate (or an audited operator override)")
+    # self-healing (docs/reliability.md): waits on slow and suspect replicas, probes of cordoned ones
+    slow_limit_s: float = Field(_HEALING.slow_limit_s, gt=0)
+    recover_wait_s: float = Field(_HEALING.recover_wait_s, gt=0)
+    probe_first_s: float = Field(_HEALING.probe.first_s, gt=0)
+    probe_max_interval_s: float = Field(_HEALING.probe.max_interval_s, gt=0)
+    probe_timeout_s: float = Field(_HEALING.probe.timeout_s, gt=0)
+    probe_restart_after: int = Field(_HEALING.probe.restart_after, gt=0)
 
     @field_validator("first_token_timeout_s", "inter_token_timeout_s")
     @classmethod
@@ -66,6 +75,11 @@ class RouterSettings(BaseSettings):
         return StreamTimeouts(per_tier(self.first_token_timeout_s, DEFAULT_FIRST_TOKEN_S),
                               per_tier(self.inter_token_timeout_s, DEFAULT_INTER_TOKEN_S),
                               self.stream_queue, self.slow_reader_timeout_s)
+
+    def healing(self) -> Healing:
+        return Healing(self.slow_limit_s, self.recover_wait_s,
+                       ProbeSettings(self.probe_first_s, self.probe_max_interval_s, self.probe_timeout_s,
+                                     self.probe_restart_after))
 
     def batch_yielder(self) -> BatchYield:
         return BatchYield(self.batch_yield, self.batch_grace_s)

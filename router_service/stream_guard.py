@@ -5,8 +5,11 @@ Timeouts per tier are router settings (router_service/settings.py), as `interact
 or one number for every tier:
 - FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S: from the upstream call to its first token (prefill included);
 - FLEET_ROUTER_INTER_TOKEN_TIMEOUT_S: between two responses of a stream.
-A replica that misses one is treated as dead for this request: the router cordons it and resumes the
-stream elsewhere (see `Router.stream`).
+When one passes, the router judges the replica (docs/reliability.md, Slow is not dead): one whose state
+reports show its engine stepping is slow, not dead (the stream keeps waiting, new work is held back); the
+last serving replica of a model that stopped reporting is suspect, not cordoned (the stream keeps waiting
+up to FLEET_ROUTER_RECOVER_WAIT_S while it is probed); any other replica that misses one is treated as dead
+for this request: the router cordons it and resumes the stream elsewhere (see `Router.stream`).
 
 Slow readers: a gRPC stream's responses wait in a queue of at most FLEET_ROUTER_STREAM_QUEUE (256)
 responses; when it is full the request's upstream read pauses (backpressure down to the replica), and a
@@ -17,8 +20,10 @@ backpressure from the server's transport flow control (the SSE generator pauses 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from common.text import IncrementalDetokenizer
@@ -70,30 +75,109 @@ class ReplicaHung(ReplicaFailed):
     """The replica sent nothing within the first-token or inter-token timeout: treated as dead."""
 
 
-async def guarded(items: AsyncIterator, first_s: float, inter_s: float,
-                  deadline_ms: int | None) -> AsyncIterator[TokenDelta | Finished]:
+# judge(got_token, waited_s, limit_s) -> True to keep waiting: asked each time a timeout passes (see Router._judge)
+Judge = Callable[[bool, float, float], bool]
+
+
+async def guarded(items: AsyncIterator, first_s: float, inter_s: float, deadline_ms: int | None,
+                  judge: Judge | None = None) -> AsyncIterator[TokenDelta | Finished]:
     """Re-yield `items`, waiting at most first_s for the first token and inter_s between responses, and
-    never past the caller's deadline. Time the consumer spends between items is not counted."""
+    never past the caller's deadline. Time the consumer spends between items is not counted.
+
+    When a timeout passes, `judge` decides whether the replica is slow (it reports engine progress) or may
+    come back (the last replica of its model), and the wait goes on for another period on the same upstream
+    call, so the tokens a slow or resumed replica sends are not lost; otherwise ReplicaHung. To wait on the
+    call without cancelling it, a pump task reads it, one response ahead at most (the replica's stream keeps
+    its flow control)."""
+    pump = _Pump(items)
     got_token = False
     try:
         while True:
             limit = inter_s if got_token else first_s
-            left = None if deadline_ms is None else deadline_ms / 1000 - time.time()
-            wait = limit if left is None else max(0.0, min(limit, left))
-            try:
-                async with asyncio.timeout(wait):
-                    item = await anext(items)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
+            waited = 0.0
+            while not pump.ready:
+                left = None if deadline_ms is None else deadline_ms / 1000 - time.time()
+                wait = limit if left is None else max(0.0, min(limit, left))
+                if await pump.wait(wait):
+                    break
                 if left is not None and left <= limit:
-                    raise DeadlineReached() from None
-                what = "inter-token" if got_token else "first-token"
-                raise ReplicaHung(f"no response within the {what} timeout of {limit:g} s") from None
+                    raise DeadlineReached()
+                waited += wait
+                if judge is None or not judge(got_token, waited, limit):
+                    what = "inter-token" if got_token else "first-token"
+                    raise ReplicaHung(f"no response within the {what} timeout of {limit:g} s"
+                                      + (f" (waited {waited:g} s)" if waited > limit else ""))
+            item = pump.take()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
             got_token = got_token or isinstance(item, TokenDelta)
             yield item
     finally:
+        await pump.close()
         await items.aclose()
+
+
+_END = object()
+
+
+class _Pump:
+    """Reads an async iterator in its own task, one item ahead of the consumer, so the consumer can stop
+    waiting (a timeout) without cancelling the read."""
+
+    def __init__(self, items: AsyncIterator) -> None:
+        self.items = items
+        self.buf: deque = deque()
+        self.loop = asyncio.get_running_loop()
+        self.waiter: asyncio.Future | None = None
+        self.space: asyncio.Future | None = None
+        self.task = self.loop.create_task(self._run())
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.buf)
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def _run(self) -> None:
+        try:
+            async for item in self.items:
+                self.buf.append(item)
+                self._wake()
+                while self.buf:  # wait until the consumer took it
+                    self.space = self.loop.create_future()
+                    await self.space
+        except BaseException as exc:  # noqa: BLE001 (handed to the consumer, raised there)
+            self.buf.append(exc)
+        else:
+            self.buf.append(_END)
+        self._wake()
+
+    async def wait(self, seconds: float) -> bool:
+        """True once an item (or the end) is ready, False after `seconds` without one."""
+        waiter = self.waiter = self.loop.create_future()
+        timer = self.loop.call_later(seconds, self._wake)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self.waiter = None
+        return bool(self.buf)
+
+    def take(self) -> object:
+        item = self.buf.popleft()
+        if self.space is not None and not self.space.done():
+            self.space.set_result(None)
+        return item
+
+    async def close(self) -> None:
+        if not self.task.done():
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
 
 
 class StreamText:

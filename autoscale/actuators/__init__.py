@@ -25,6 +25,7 @@ class ReplicaCounts:
     serving: int = 0
     starting: int = 0
     draining: int = 0
+    cordoned: int = 0  # running but cordoned by a router: missing capacity, not counted in `total`
 
     @property
     def total(self) -> int:

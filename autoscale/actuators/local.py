@@ -6,13 +6,19 @@ stops it); the measured start->ready time feeds the cold-start estimate.
 Scale-down: mark the replica `draining` in the registry (routers stop admitting to it), wait until
 the router reports no in-flight streams on it (fallback: Triton's pending-request metric), then stop
 the process and delete its registry row.
+Healing (docs/reliability.md, Self-healing): a replica whose registry row is `cordoned` is missing capacity
+(not counted as serving). One that a router cordoned and that stays cordoned for `restart_cordoned_after_s`
+(the router's probes of it kept failing: a probe that answers uncordons it) is restarted at the same index
+(`heal`); a new process id lifts the routers' cordon. A cordon by an operator is left alone.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import signal
 import threading
 import time
 import urllib.request
@@ -23,10 +29,15 @@ import numpy as np
 from autoscale.actuators import PoolSpec, ReplicaCounts
 from autoscale.signals import replica_inflight, router_admits
 from autoscale.actuators.replicas import ReplicaSpec, replica_base_port, start_replica, stop_replica
+from common import processes
 from common.settings import REPO_ROOT, Settings
 from python_backends.engine.config import engine_overrides
+from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
+
 from registry.db import session_scope
 from registry.queries import list_replicas, set_replica_state
+from registry.schema import AuditLog
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +62,10 @@ class LocalActuator:
 
     def __init__(self, settings: Settings, router_urls: list[str] | None = None, drain_timeout_s: float = 120.0,
                  admin_token: str | None = None, first_index: int = 0, cpu_cores: int | None = None,
-                 cpu_budget: bool = True) -> None:
+                 cpu_budget: bool = True, restart_cordoned_after_s: float = 30.0) -> None:
         self.settings = settings
+        self.restart_cordoned_after_s = restart_cordoned_after_s
+        self.cordoned_since: dict[str, float] = {}  # replica -> monotonic time heal() first saw it cordoned
         # CPU budget: replicas x engine threads <= cores, so a new replica adds capacity instead of
         # sharing the same cores with the ones already running. cpu_budget=False lifts it (told so).
         self.cpu_cores = cpu_cores or len(os.sched_getaffinity(0))
@@ -86,11 +99,69 @@ class LocalActuator:
                 log.info("adopted serving replica %s", row.replica_id)
 
     def counts(self, pool: PoolSpec) -> ReplicaCounts:
+        cordoned = self._cordoned_rows(pool)
         with self._lock:
             mine = [r for r in self.replicas.values() if r.pool == pool]
-        return ReplicaCounts(serving=sum(r.state == "serving" for r in mine),
+        return ReplicaCounts(serving=sum(r.state == "serving" and r.replica_id not in cordoned for r in mine),
                              starting=sum(r.state == "starting" for r in mine),
-                             draining=sum(r.state == "draining" for r in mine))
+                             draining=sum(r.state == "draining" for r in mine),
+                             cordoned=sum(r.state == "serving" and r.replica_id in cordoned for r in mine))
+
+    def _cordoned_rows(self, pool: PoolSpec) -> set[str]:
+        try:
+            with session_scope(self.settings.db_url) as session:
+                return {r.replica_id for r in list_replicas(session, pool.model)
+                        if r.version == pool.version and r.state == "cordoned"}
+        except SQLAlchemyError as exc:  # registry unreadable: count by our own bookkeeping meanwhile
+            log.warning("cannot read cordoned replicas of %s from the registry: %s", pool.name, exc)
+            return set()
+
+    # --- healing ---------------------------------------------------------------------------------
+    def heal(self, pool: PoolSpec) -> list[str]:
+        """Restart this pool's replicas that a router cordoned and that this actuator has seen cordoned for
+        restart_cordoned_after_s (the router's probes kept failing); returns their ids."""
+        cordoned = self._cordoned_rows(pool)
+        now = time.monotonic()
+        with self._lock:
+            mine = [r for r in self.replicas.values() if r.pool == pool and r.state == "serving"]
+        for replica in mine:
+            if replica.replica_id in cordoned:
+                self.cordoned_since.setdefault(replica.replica_id, now)
+            else:
+                self.cordoned_since.pop(replica.replica_id, None)
+        due = [r for r in mine if now - self.cordoned_since.get(r.replica_id, now) >= self.restart_cordoned_after_s]
+        if not due:
+            return []
+        stuck = []
+        with session_scope(self.settings.db_url) as session:
+            for replica in due:  # whose cordon was the router's (an operator's is left alone)
+                last = session.scalars(select(AuditLog).where(AuditLog.target == replica.replica_id,
+                                                              AuditLog.action.like("replica_%"))
+                                       .order_by(AuditLog.id.desc()).limit(1)).first()
+                if last is not None and last.actor == "router" and last.action == "replica_cordoned":
+                    stuck.append(replica)
+        for replica in stuck:
+            self.cordoned_since.pop(replica.replica_id, None)
+            self.restart_replica(replica)
+        return [r.replica_id for r in stuck]
+
+    def restart_replica(self, replica: LocalReplica) -> None:
+        """Stop the process and start it again at the same index (in the background, like a start)."""
+        log.warning("replica %s stayed cordoned by a router (its probes keep failing): restarting it",
+                    replica.replica_id)
+        replica.state, replica.started_at = "starting", time.monotonic()
+        self._event(replica, "restart")
+
+        def again() -> None:
+            for info in processes.running(self.settings):  # cordoned and failing probes: nothing to drain, and a
+                if info["name"] == f"replica-{replica.replica_id}" and info["alive"]:  # frozen one ignores SIGTERM
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(info["pid"], signal.SIGKILL)
+            stop_replica(self.settings, replica.replica_id)
+            self._start(replica)
+        thread = threading.Thread(target=again, name=f"restart-{replica.replica_id}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def cold_start_s(self, pool: PoolSpec) -> float | None:
         starts = self._cold_starts().get(pool.model, [])
@@ -123,7 +194,8 @@ class LocalActuator:
             with self._lock:
                 alive = sum(r.state in ("starting", "serving", "draining") for r in self.replicas.values())
             room = max(self.max_replicas - alive, 0)
-            if current.total == 0 and room == 0:  # a pool the controller manages is routed: it gets one replica
+            # a pool the controller manages is routed: it gets one replica (a cordoned one is restarted instead, heal)
+            if current.total == 0 and current.cordoned == 0 and room == 0:
                 log.warning("pool %s has no replica: starting one over the CPU budget (%d replicas on %d cores) so "
                             "its routed traffic has somewhere to go", pool.name, self.max_replicas, self.cpu_cores)
                 room = 1

@@ -47,6 +47,8 @@ class EngineConfig:
     default_max_tokens: int = 64
     state_report_interval_s: float = 0.2
     state_full_snapshot_s: float = 10.0
+    test_step_sleep_s: float = 0.0      # tests only (FLEET_ENGINE_TEST_STEP_SLEEP_S): sleep this long after every
+                                        # step, a slow replica that keeps reporting (tests/reliability/test_self_healing.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

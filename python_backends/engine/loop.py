@@ -170,6 +170,8 @@ class EngineLoop:
                     self._poll_cancellations()
                 if self.engine.has_work():
                     self._deliver(self.engine.step())
+                    if self.engine.config.test_step_sleep_s:  # tests: a slow step (the state report still goes out)
+                        time.sleep(self.engine.config.test_step_sleep_s)
                     if self.engine.last_scheduled == 0:
                         time.sleep(0.005)   # work exists but none could run (e.g. adapter slots pinned)
                 if self.on_tick and now - last_tick >= self.tick_s:

@@ -92,6 +92,7 @@ class StateReporter:
                       block_size=engine.config.block_size, running=len(engine.scheduler.running),
                       waiting=len(engine.scheduler.waiting), queue_wait_ms_p95=engine.stats.queue_wait_ms_p95(),
                       ttft_ms_p95=engine.stats.ttft_ms_p95(), tokens_per_s=engine.stats.tokens_per_s(),
+                      steps=int(getattr(engine, "steps", 0)),
                       adapters_loaded=engine.lora.loaded() if engine.lora else [],
                       full_snapshot=full, draining=self.draining)
         if full:

@@ -15,7 +15,8 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 
-from common.report_channel import REPLICA_HEADER, REPORT_PATH, SIGNATURE_HEADER, load_report_secret, replica_key, sign
+from common.report_channel import (REPLICA_HEADER, REPORT_PATH, SIGNATURE_HEADER, load_report_secret, replica_key,
+                                  sign_head)
 from registry import queries
 from registry.db import migrate, session_scope
 from router_service.core import Router
@@ -34,7 +35,7 @@ def _post(stack, report: dict, key: str | None, replica_id: str | None = None, b
     body = body if body is not None else json.dumps(report).encode()
     headers = {"content-type": "application/json", REPLICA_HEADER: replica_id or report["replica_id"]}
     if key is not None:
-        headers[SIGNATURE_HEADER] = sign(key, body)
+        headers[SIGNATURE_HEADER] = sign_head(key, replica_id or report["replica_id"], body)
     return httpx.post(stack.settings.router_internal_url + REPORT_PATH, content=body, headers=headers, timeout=5)
 
 
@@ -58,8 +59,8 @@ def test_internal_listener_refuses_unsigned_forged_and_unknown_reports(stack, ht
     assert made_up.status_code == 404 and "not registered" in made_up.json()["error"]["message"]
     stale_body = json.dumps(_report(rid)).encode()
     stale = httpx.post(stack.settings.router_internal_url + REPORT_PATH, content=stale_body, timeout=5,
-                       headers={REPLICA_HEADER: rid, SIGNATURE_HEADER: sign(replica_key(secret, rid), stale_body,
-                                                                          int(time.time()) - 600)})
+                       headers={REPLICA_HEADER: rid, SIGNATURE_HEADER: sign_head(replica_key(secret, rid), rid, stale_body,
+                                                                               int(time.time()) - 600)})
     assert stale.status_code == 401 and "timestamp" in stale.json()["error"]["message"]
     assert _complete(http, stack).status_code == 200  # nothing above changed routing
 
