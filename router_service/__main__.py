@@ -63,7 +63,7 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
         producer.start()
     router = Router(registry, producer, region=settings.region, choice=rs.choice_params(), gateway=rs.gateway(),
                     max_waiting=args.max_waiting, batch_yield=rs.batch_yielder(), start_wait_s=args.start_wait_s,
-                    timeouts=rs.stream_timeouts())
+                    timeouts=rs.stream_timeouts(), default_max_tokens=rs.max_tokens_caps())
     grpc_server = await start_grpc_server(router, args.host, args.grpc_port)
     config = uvicorn.Config(create_app(router), host=args.host, port=args.http_port,
                             log_level="warning", lifespan="off")

@@ -62,7 +62,7 @@ def account(producer, p: Prepared, finish: Finished | None, status: str, complet
     if status == "ok" and reason == "cancelled":
         status = "cancelled"
     now = time.monotonic()
-    metrics.REQUESTS.labels(req.model, req.tier, status).inc()
+    metrics.REQUESTS.labels(req.model, req.tier, status, reason).inc()
     metrics.TOKENS.labels(req.model, req.tier).inc(completion_tokens)
     metrics.PROMPT_TOKENS.labels(req.model, req.tier).inc(len(p.prompt_ids))
     if finish is not None:

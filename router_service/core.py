@@ -26,11 +26,11 @@ from router_service.registry_cache import CallerInfo, ModelInfo, RegistryCache, 
 from router_service.replica_choice import ChoiceParams, Placement, ReplicaChooser
 from router_service.replica_state import ReplicaStateTable
 from router_service.replica_set import ReplicaSet
-from router_service.request import Finished, GenerateRequest, Prepared, TokenDelta
+from router_service.request import DEFAULT_MAX_TOKENS, Finished, GenerateRequest, Prepared, TokenDelta
 from router_service.rollout import VersionReadiness
 from router_service.stream_guard import DeadlineReached, ReplicaHung, StreamText, StreamTimeouts, guarded
 from router_service.tokenization import TokenizerCache
-from router_service.upstream import Preempted, ReplicaClient, ReplicaFailed
+from router_service.upstream import Preempted, ReplicaClient, ReplicaFailed, ReplicaRefused
 from router_service.visibility import resolve_model
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class Router:
     def __init__(self, registry: RegistryCache, usage_producer=None, region: str = "local",
                  choice: ChoiceParams | None = None, gateway: Gateway | None = None, max_waiting: int = 256,
                  batch_yield: BatchYield | None = None, start_wait_s: float = 600.0,
-                 timeouts: StreamTimeouts | None = None) -> None:
+                 timeouts: StreamTimeouts | None = None, default_max_tokens: dict[str, int] | None = None) -> None:
         self.registry = registry
         self.usage = usage_producer
         self.region = region
@@ -62,6 +62,8 @@ class Router:
         self.requests = InflightRequests()
         self.batch_yield = batch_yield or BatchYield()
         self.timeouts = timeouts or StreamTimeouts()
+        # max_tokens of a request that sets none: the rest of the context, at most this per tier
+        self.default_max_tokens = dict(default_max_tokens or DEFAULT_MAX_TOKENS)
 
     @property
     def inflight(self) -> dict[str, int]:
@@ -94,7 +96,7 @@ class Router:
             req.check_prompt_size(model.max_context, *await self._limits(model))
             if req.prompt_ids is None:
                 req.prompt_ids = await self._tokenize(model, req)
-            req.check_prompt_fits(model.max_context)
+            req.check_prompt_fits(model.max_context, self.default_max_tokens[req.tier])
             if req.seed is None and req.temperature > 0:  # so that a resumed stream continues the same draws
                 req.seed = secrets.randbits(63)
             p = Prepared(req, caller, model, list(req.prompt_ids), arrived=arrived,
@@ -294,6 +296,11 @@ class Router:
                     log.info("deadline of %s passed while waiting on replica %s", req.request_id, replica_id)
                     finish = self._finished(p, "deadline", emitted, replica_id, cached_tokens)
                     break
+                except ReplicaRefused as exc:
+                    if emitted:  # refused on resume: this replica cannot continue it; another may
+                        raise RouterError("replica_failure", f"request {req.request_id} could not be resumed after "
+                                          f"{len(emitted)} tokens: {exc}") from exc
+                    raise RouterError("engine_refused", f"the replica refused the request: {exc}") from exc
                 except Preempted:
                     log.info("batch request %s preempted on %s after %d tokens; re-queued", req.request_id,
                              replica_id, len(emitted))

@@ -22,7 +22,7 @@ INPUTS = {
     "random_seed": ({"UINT64", "INT64", "INT32", "UINT32"}, True), "stop_words": ({"BYTES"}, False),
     "lora_name": ({"BYTES"}, True), "stream": ({"BOOL"}, True),
 }
-PARAMETERS = {"priority", "tier", "deadline_ms", "adapter", "session", "cache_hint", "version",
+PARAMETERS = {"priority", "tier", "deadline_ms", "adapter", "session", "version",
               "ignore_eos", "triton_enable_empty_final_response"}
 _CONTENTS_FIELD = {"BYTES": "bytes_contents", "BOOL": "bool_contents", "FP32": "fp32_contents",
                    "FP64": "fp64_contents", "INT32": "int_contents", "INT64": "int64_contents",

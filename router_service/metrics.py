@@ -6,8 +6,9 @@ from prometheus_client import Counter, Gauge, Histogram
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 40, 60, 100, 200, 500)
 
-REQUESTS = Counter("fleet_router_requests_total", "Requests finished, by model, tier and outcome",
-                   ["model", "tier", "status"])
+REQUESTS = Counter("fleet_router_requests_total", "Requests finished, by model, tier, outcome (ok, error, "
+                   "cancelled) and finish reason (stop, length, deadline, cancelled, error)",
+                   ["model", "tier", "status", "finish_reason"])
 REJECTED = Counter("fleet_router_rejected_total", "Requests refused before routing, by error code", ["code"])
 TTFT = Histogram("fleet_router_ttft_seconds", "Time from request arrival to first streamed token",
                  ["model", "tier"], buckets=LATENCY_BUCKETS)

@@ -20,6 +20,9 @@ MAX_STOP_TOTAL_CHARS = 1024
 MAX_PROMPT_BYTES = 1_000_000
 MAX_CHAT_MESSAGES = 512
 MAX_SESSION_CHARS = 256
+# max_tokens when a request sets none: the rest of the context, at most this many per tier (router setting
+# FLEET_ROUTER_DEFAULT_MAX_TOKENS overrides it)
+DEFAULT_MAX_TOKENS = {"interactive": 1024, "standard": 2048, "batch": 4096}
 
 
 @dataclass
@@ -33,7 +36,7 @@ class GenerateRequest:
     adapter: str = ""
     tier: str = "standard"
     deadline_ms: int | None = None  # absolute, unix epoch milliseconds
-    max_tokens: int = 64
+    max_tokens: int | None = None  # None: the rest of the context, capped per tier (resolve_max_tokens)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -47,10 +50,12 @@ class GenerateRequest:
         """Field checks that need no registry; the message names the field, the reason and what is allowed."""
         if self.tier not in TIERS:
             raise invalid("priority", f"{self.tier!r} is not a tier; allowed: {', '.join(TIERS)}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise invalid("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if self.max_tokens > max_context:
-            raise invalid("max_tokens", f"{self.max_tokens} exceeds the model's context of {max_context} tokens")
+        if self.max_tokens is not None:
+            if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+                raise invalid("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+            if self.max_tokens > max_context:
+                raise invalid("max_tokens", f"{self.max_tokens} exceeds the model's context of {max_context} tokens",
+                              "context_length_exceeded")
         if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
             raise invalid("temperature", f"must be between 0 and 2, got {self.temperature}")
         if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -87,13 +92,23 @@ class GenerateRequest:
             raise invalid("prompt", f"has {chars} characters, more than the model's context of {max_context} tokens "
                                     f"can hold")
 
-    def check_prompt_fits(self, max_context: int) -> None:
+    def check_prompt_fits(self, max_context: int, default_cap: int | None = None) -> None:
+        """The prompt and max_tokens fit the context; an absent max_tokens becomes the rest of the context,
+        at most `default_cap` (the tier's setting), as OpenAI's API does."""
         n = len(self.prompt_ids or [])
         if n == 0:
             raise invalid("prompt", "is empty")
+        if n >= max_context:
+            raise invalid("messages" if self.chat_messages is not None else "prompt",
+                          f"has {n} tokens; the model's context is {max_context} tokens and leaves no room for output",
+                          "context_length_exceeded")
+        if self.max_tokens is None:
+            cap = DEFAULT_MAX_TOKENS[self.tier] if default_cap is None else default_cap
+            self.max_tokens = max(1, min(cap, max_context - n))
         if n + self.max_tokens > max_context:
-            raise invalid("prompt", f"has {n} tokens; with max_tokens={self.max_tokens} that is {n + self.max_tokens}, "
-                                    f"over the model's context of {max_context} tokens")
+            raise invalid("max_tokens", f"the prompt has {n} tokens; with max_tokens={self.max_tokens} that is "
+                                        f"{n + self.max_tokens}, over the model's context of {max_context} tokens",
+                          "context_length_exceeded")
 
 
 @dataclass

@@ -51,6 +51,14 @@ class ReplicaFailed(Exception):
         self.alive = alive
 
 
+class ReplicaRefused(Exception):
+    """The replica's engine refused the request before generating (its message says why): not retried."""
+
+
+# The engine shim starts a refusal's error message with this (model_repository/engine/1/model.py)
+REFUSED_PREFIX = "refused: "
+
+
 class Preempted(Exception):
     """The router cancelled this upstream call to make room for interactive work (see batch_yield)."""
 
@@ -195,8 +203,13 @@ class ReplicaClient:
                     if LORA_NOT_CACHED.search(response.error_message) and not emitted and not lora_load:
                         self.lora_sent.discard(req.adapter)
                         raise LoraNotCached(response.error_message)
+                    at = response.error_message.find(REFUSED_PREFIX)   # Triton may prefix the backend's text
+                    if at >= 0 and not emitted:
+                        raise ReplicaRefused(response.error_message[at + len(REFUSED_PREFIX):])
                     raise ReplicaFailed(response.error_message, alive=True)
                 text, ids, reason, usage = _decode(InferResult(response.infer_response))
+                if reason == "error":  # a replica too old to send the engine's message: a failure there
+                    raise ReplicaFailed("the replica ended the stream with an error", alive=True)
                 emitted += len(ids)
                 cached = max(cached, int(usage[1]))  # GPU: kv_cache_reused_blocks x block size, on every response
                 if text or ids:

@@ -37,8 +37,9 @@ def _text(value) -> str:
 
 
 class _TritonSink:
-    def __init__(self, sender):
+    def __init__(self, sender, loop: EngineLoop):
         self.sender = sender
+        self.loop = loop
 
     def is_cancelled(self) -> bool:
         return self.sender.is_cancelled()
@@ -50,9 +51,17 @@ class _TritonSink:
             pb_utils.Tensor("finish_reason", np.asarray([out.finish_reason.encode()], dtype=np.object_)),
             pb_utils.Tensor("usage", np.asarray(out.usage, dtype=np.int32)),
         ]
-        response = pb_utils.InferenceResponse(output_tensors=tensors)
         if out.finish_reason == "error":
-            log.warning("request rejected: %s", out.seq.error)
+            # A failure is an error response with the engine's message, never a quiet finish_reason: the router
+            # answers a refusal (`refused: ` + why, before any token) with a 4xx and retries/resumes the rest.
+            if out.seq.error:
+                message = f"refused: {out.seq.error}"
+            else:
+                message = f"engine step failed: {self.loop.error!r}" if self.loop.error else "engine step failed"
+            log.warning("request %s failed: %s", out.seq.request_id, message)
+            self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+            return
+        response = pb_utils.InferenceResponse(output_tensors=tensors)
         self.sender.send(response, flags=FINAL if out.finished else 0)
 
 
@@ -111,7 +120,7 @@ class TritonPythonModel:
         # `priority` is reserved by tritonclient (it is Triton's own scheduling field), so the router sends
         # `llm_priority`; accept both names.
         priority = int(rp.get("llm_priority", rp.get("priority", 1)))
-        self.loop.submit(ids.tolist(), params, _TritonSink(sender), priority=priority,
+        self.loop.submit(ids.tolist(), params, _TritonSink(sender, self.loop), priority=priority,
                          deadline_ms=int(rp.get("deadline_ms", 0) or 0), lora_name=lora,
                          request_id=rp.get("request_id") or request.request_id())
 
