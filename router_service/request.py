@@ -100,7 +100,7 @@ class GenerateRequest:
             raise invalid("prompt", "is empty")
         if n >= max_context:
             raise invalid("messages" if self.chat_messages is not None else "prompt",
-                          f"has {n} tokens; the model's context is {max_context} tokens and leaves no room for output",
+                          f"has {n} tokens; that leaves no room for output in the model's context of {max_context} tokens",
                           "context_length_exceeded")
         if self.max_tokens is None:
             cap = DEFAULT_MAX_TOKENS[self.tier] if default_cap is None else default_cap
