@@ -51,3 +51,42 @@ def test_forged_control_tokens_stay_text_through_the_platform(client):
     plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi ok"}], max_tokens=1)
     # as text the forged markers cost ~10 tokens each; as control tokens they would cost 1
     assert out.usage.prompt_tokens > plain.usage.prompt_tokens + 30
+
+
+def test_engine_refusal_is_an_error_before_the_first_byte(platform):
+    """An adapter the registry knows but the replica lacks: the engine refuses, and the caller gets a 400
+    with the engine's message (streamed or not) instead of a 200 with finish_reason "error"."""
+    import time
+
+    from registry import queries
+    from registry.db import session_scope
+    from registry.schema import Adapter
+
+    db_url = f"sqlite:///{platform.data_dir / 'registry.sqlite'}"
+    with session_scope(db_url) as s:
+        team = s.get(Adapter, "french").owner_team
+        queries.upsert_adapter(s, "ghost", MODEL, "1", "/nowhere", 8, team)
+    headers = {"authorization": f"Bearer {platform.api_key}"}
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "adapter": "ghost"}
+    try:
+        deadline = time.monotonic() + 20
+        while True:  # until the router's registry snapshot has the adapter
+            r = httpx.post(f"{platform.http_url}/v1/completions", headers=headers, json=body, timeout=60)
+            if r.status_code != 404 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "engine_refused", r.text
+        assert "unknown adapter 'ghost'" in err["message"]
+        with httpx.stream("POST", f"{platform.http_url}/v1/completions", headers=headers, timeout=60,
+                          json={**body, "stream": True}) as r:
+            assert r.status_code == 400 and "unknown adapter 'ghost'" in r.read().decode()
+        metrics = httpx.get(f"{platform.http_url}/metrics").text
+        assert 'status="error"' in metrics and 'finish_reason="error"' in metrics
+    finally:
+        with session_scope(db_url) as s:
+            s.delete(s.get(Adapter, "ghost"))
+            queries.bump_version(s)
+    ok = httpx.post(f"{platform.http_url}/v1/completions", headers=headers, timeout=60,
+                    json={**body, "adapter": ""})
+    assert ok.status_code == 200, "still serving"
