@@ -31,7 +31,8 @@ from python_backends.engine.lora import FUSED, LoraManager
 from python_backends.engine.metrics import EngineStats
 from python_backends.engine.batch import SeqChunk
 from python_backends.engine.model_runner import ModelRunner, precision, read_model_config
-from python_backends.engine.sampling import sample_on_device
+from python_backends.engine.logits import check_params, shape_logits
+from python_backends.engine.sampling import StepLogprobs, sample_with_logprobs
 from python_backends.engine.scheduler import Scheduler
 from python_backends.engine.sequence import FinishReason, SamplingParams, Sequence, Status
 from python_backends.engine.stops import StopChecker
@@ -42,6 +43,8 @@ class StepOutput:
     seq: Sequence
     token_ids: list[int]              # newly released output ids (often one, may be none)
     finish_reason: str = ""           # "" until the final output
+    # per released id, when the request asked: (logprob, [(id, logprob) x top_logprobs])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -61,6 +64,7 @@ class _Inflight:
     event: torch.cuda.Event | None    # recorded after the copy: waiting on it does not wait for later steps
     prefill_tokens: int
     lookahead: bool                   # launched ahead: its sequences' new full blocks are indexed on resolve
+    logprobs: StepLogprobs | None = None   # rows that asked for logprobs (still on the device)
 
 
 class LLMEngine:
@@ -133,7 +137,7 @@ class LLMEngine:
             return f"unknown adapter {seq.lora_name!r}"
         if seq.params.stop and self.tokenizer is None:
             return "stop strings need the model's tokenizer.json"
-        return ""
+        return check_params(seq.params, self.runner.vocab)
 
     def abort(self, seq: Sequence, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """Stop a sequence now and free its blocks (cancellation, deadline)."""
@@ -234,6 +238,8 @@ class LLMEngine:
         sched = self.scheduler
         if not self.async_decode or sched.waiting or len(prev.seqs) != len(sched.running):
             return []
+        if any(s.params.shapes_logits for s in prev.seqs):   # penalties need the in-flight token appended
+            return []
         nxt: list[Sequence] = []
         new_blocks = 0
         for seq in prev.seqs:
@@ -265,34 +271,37 @@ class LLMEngine:
     def _launch_sampling(self, logits: torch.Tensor, seqs: list[Sequence], prefill_tokens: int,
                          lookahead: bool) -> _Inflight:
         kernels = self.runner.kernels
-        ids = sample_on_device(logits, seqs, ahead=int(lookahead),   # lookahead: prev's token not appended
-                               argmax=kernels.argmax_rows if kernels is not None else None)
+        shaped = shape_logits(logits, seqs, self.runner.eos_ids, ahead=int(lookahead))
+        argmax = kernels.argmax_rows if kernels is not None and shaped is logits else None
+        ids, logprobs = sample_with_logprobs(shaped, seqs, ahead=int(lookahead),   # lookahead: prev's token not appended
+                                             argmax=argmax)
         host, event = ids, None
         if ids.device.type == "cuda":
             host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
             host.copy_(ids, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        return _Inflight(seqs, ids, host, event, prefill_tokens, lookahead)
+        return _Inflight(seqs, ids, host, event, prefill_tokens, lookahead, logprobs)
 
     def _resolve(self, flight: _Inflight) -> list[StepOutput]:
         """Wait for a launched step's ids (only them: later launches keep running) and apply them."""
         if flight.event is not None:
             flight.event.synchronize()
         new_ids = flight.host.tolist()
+        lps = flight.logprobs.per_row(flight.seqs) if flight.logprobs is not None else {}
         now = time.monotonic()
         outputs = []
-        for seq, tok in zip(flight.seqs, new_ids):
+        for row, (seq, tok) in enumerate(zip(flight.seqs, new_ids)):
             if seq.finished:             # stopped or aborted after this step was launched: a wasted row
                 continue
             if flight.lookahead:
                 self.kv.commit(seq)
-            outputs.append(self._append(seq, tok, now))
+            outputs.append(self._append(seq, tok, now, lps.get(row)))
         self.stats.on_step(len(outputs), flight.prefill_tokens)
         self.steps += 1
         return outputs
 
-    def _append(self, seq: Sequence, tok: int, now: float) -> StepOutput:
+    def _append(self, seq: Sequence, tok: int, now: float, logprob=None) -> StepOutput:
         if seq.first_token_at is None:
             seq.first_token_at = now
             self.stats.on_first_token(now - seq.arrival)
@@ -300,11 +309,13 @@ class LLMEngine:
             self.stats.on_token(now - seq.last_token_at)
         seq.last_token_at = now
         p = seq.params
-        if tok in self.runner.eos_ids and not p.ignore_eos:
-            # EOS itself is not emitted; release whatever stop-string hold-back was keeping
+        if (tok in self.runner.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            # EOS (or a stop token id) itself is not emitted; release whatever stop-string hold-back was keeping
             release = seq.output_ids[seq.num_emitted:]
             return self._done(seq, release, FinishReason.STOP)
         seq.token_ids.append(tok)
+        if logprob is not None:
+            seq.token_logprobs.append(logprob)
         checker = self.stop_checkers.get(seq.seq_id)
         if checker is not None:
             safe, hit = checker.update(seq.output_ids)
@@ -315,13 +326,21 @@ class LLMEngine:
             release = [tok]
         if seq.num_output >= p.max_tokens or seq.num_tokens >= self.config.max_context:
             return self._done(seq, seq.output_ids[seq.num_emitted:], FinishReason.LENGTH)
+        out = StepOutput(seq, release, logprobs=self._released_logprobs(seq, len(release)))
         seq.num_emitted += len(release)
-        return StepOutput(seq, release)
+        return out
 
     def _done(self, seq: Sequence, release: list[int], reason: FinishReason) -> StepOutput:
+        logprobs = self._released_logprobs(seq, len(release))
         seq.num_emitted += len(release)
         self._finish(seq, reason)
-        return StepOutput(seq, release, reason.value)
+        return StepOutput(seq, release, reason.value, logprobs)
+
+    @staticmethod
+    def _released_logprobs(seq: Sequence, n: int):
+        if not seq.params.wants_logprobs:
+            return None
+        return seq.token_logprobs[seq.num_emitted:seq.num_emitted + n]
 
     # ------------------------------------------------------------------ introspection
     def kv_overhead(self) -> float:
