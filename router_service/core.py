@@ -93,7 +93,9 @@ class Router:
             req.validate(model.max_context)
             if req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
                 raise RouterError("deadline_exceeded", f"deadline_ms {req.deadline_ms} has already passed")
-            req.check_prompt_size(model.max_context, *await self._limits(model))
+            vocab_size, max_token_chars = await self._limits(model)
+            req.check_prompt_size(model.max_context, vocab_size, max_token_chars)
+            req.check_sampling(vocab_size)
             if req.prompt_ids is None:
                 req.prompt_ids = await self._tokenize(model, req)
             req.check_prompt_fits(model.max_context, self.default_max_tokens[req.tier])

@@ -118,7 +118,7 @@ def create_app(router: Router) -> FastAPI:
             if first is None:
                 await stream.aclose()
                 return Response(status_code=499)
-            return StreamingResponse(_sse(first, stream, prepared, chat, body.include_usage),
+            return StreamingResponse(_sse(router, first, stream, prepared, chat, body.include_usage),
                                      media_type="text/event-stream", headers=headers,
                                      background=BackgroundTask(router.release_unstarted, prepared))
         try:
@@ -129,8 +129,10 @@ def create_app(router: Router) -> FastAPI:
             return Response(status_code=499)
         text = "".join(i.text for i in items if isinstance(i, TokenDelta))
         final = next(i for i in items if isinstance(i, Finished))
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": final.finish_reason}
-                  if chat else {"index": 0, "text": text, "finish_reason": final.finish_reason, "logprobs": None})
+        lps = _logprobs(router, prepared, [i for i in items if isinstance(i, TokenDelta)], chat)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
+                   "finish_reason": final.finish_reason}
+                  if chat else {"index": 0, "text": text, "finish_reason": final.finish_reason, "logprobs": lps})
         return JSONResponse({"id": prepared.req.request_id, "object": "chat.completion" if chat else "text_completion",
                              "created": int(time.time()), "model": prepared.model.name,
                              "system_fingerprint": prepared.model.version, "choices": [choice],
@@ -221,19 +223,43 @@ def _usage(final: Finished) -> dict:
             "prompt_tokens_details": {"cached_tokens": final.cached_prompt_tokens}}
 
 
-def _chunk(item: TokenDelta | Finished, chat: bool, first: bool) -> dict:
+def _logprobs(router: Router, p: Prepared, deltas: list[TokenDelta], chat: bool) -> dict | None:
+    """OpenAI's logprobs object of these deltas (chat: `content` entries; completions: the legacy lists).
+    Each token's text is the id decoded alone."""
+    if not (p.req.logprobs or p.req.top_logprobs):
+        return None
+    tok = router.tokenizers.get(p.model.weights_uri)
+    pairs = [(i, lp) for d in deltas for i, lp in zip(d.token_ids, d.logprobs or [])]
+
+    def text(token_id: int) -> str:
+        return tok.decode([token_id])
+    if chat:
+        def entry(t: int, lp: float) -> dict:
+            s = text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]} for t, (lp, top) in pairs]}
+    offsets, at = [], 0
+    for t, _ in pairs:
+        offsets.append(at)
+        at += len(text(t))
+    return {"tokens": [text(t) for t, _ in pairs], "token_logprobs": [lp for _, (lp, _) in pairs],
+            "top_logprobs": [{text(i): v for i, v in top} for _, (_, top) in pairs], "text_offset": offsets}
+
+
+def _chunk(item: TokenDelta | Finished, chat: bool, first: bool, logprobs: dict | None = None) -> dict:
     """The one choice of a streamed chunk."""
     if isinstance(item, TokenDelta):
         if chat:
             delta = {"role": "assistant", "content": item.text} if first else {"content": item.text}
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
-        return {"index": 0, "text": item.text, "logprobs": None, "finish_reason": None}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+        return {"index": 0, "text": item.text, "logprobs": logprobs, "finish_reason": None}
     if chat:
         return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": item.finish_reason}
     return {"index": 0, "text": "", "logprobs": None, "finish_reason": item.finish_reason}
 
 
-async def _sse(first_item: TokenDelta | Finished, stream, prepared: Prepared, chat: bool, include_usage: bool):
+async def _sse(router: Router, first_item: TokenDelta | Finished, stream, prepared: Prepared, chat: bool,
+               include_usage: bool):
     """Server-sent events as OpenAI streams them. With `stream_options.include_usage` every chunk carries
     `usage: null` and one last chunk has `choices: []` and the usage; without it the finishing chunk carries
     the usage (an extension the SDKs ignore). Usage is metered either way."""
@@ -250,7 +276,8 @@ async def _sse(first_item: TokenDelta | Finished, stream, prepared: Prepared, ch
             yield item
     try:
         async for item in items():
-            chunk = {**base, "choices": [_chunk(item, chat, first)]}
+            lps = _logprobs(router, prepared, [item], chat) if isinstance(item, TokenDelta) else None
+            chunk = {**base, "choices": [_chunk(item, chat, first, lps)]}
             if isinstance(item, TokenDelta):
                 first = False
             elif not include_usage:

@@ -55,8 +55,12 @@ class _Common(BaseModel):
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: Any = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's names for the sampling fields OpenAI lacks (pass with `extra_body`)
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
     # platform fields (pass with the openai client's `extra_body`)
     version: str | None = None
     adapter: str = ""
@@ -73,20 +77,30 @@ class _Common(BaseModel):
         """Fields the SDKs send whose non-default values this platform does not implement: a clear 400."""
         if self.n != 1:
             raise invalid("n", f"only 1 choice per request is supported, got {self.n}; send separate requests")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise invalid(name, f"only 0 is supported, got {getattr(self, name)}")
-        if self.logprobs not in (None, False, 0):
-            raise invalid("logprobs", "log probabilities are not supported; send false or leave it out")
-        if self.logit_bias:
-            raise invalid("logit_bias", "is not supported; send {} or leave it out")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "is only allowed with stream: true")
+
+    def logprob_fields(self) -> tuple[bool, int]:
+        """(logprobs, top_logprobs) as this endpoint spells them."""
+        raise NotImplementedError
+
+    def _logit_bias(self) -> dict[int, float]:
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.lstrip("-").isdigit() and len(key) < 12):
+                raise invalid("logit_bias", f"key {key[:32]!r} is not a token id")
+            out[int(key)] = bias
+        return out
 
     def to_request(self, **prompt) -> GenerateRequest:
         self.refuse_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        logprobs, top_logprobs = self.logprob_fields()
         return GenerateRequest(
+            logprobs=logprobs, top_logprobs=top_logprobs, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            logit_bias=self._logit_bias(), min_p=self.min_p, min_tokens=self.min_tokens,
+            stop_token_ids=list(self.stop_token_ids or []),
             request_id="req-" + uuid.uuid4().hex, model=self.model, version=self.version, adapter=self.adapter,
             tier=tier_from_param(self.priority),
             deadline_ms=deadline_from_param(self.deadline_ms) if self.deadline_ms is not None else None,
@@ -98,6 +112,7 @@ class _Common(BaseModel):
 
 class CompletionBody(_Common):
     prompt: str | list[int] | list[str]
+    logprobs: int | None = None   # legacy completions: the number of top tokens (0 = the sampled one only)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -108,6 +123,9 @@ class CompletionBody(_Common):
         if (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and not v):
             raise ValueError("the prompt is empty")
         return v
+
+    def logprob_fields(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
 
     def request(self) -> GenerateRequest:
         if self.echo:
@@ -153,10 +171,17 @@ class ChatMessage(BaseModel):
 
 class ChatBody(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
+    logprobs: bool = False
+    top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+
+    def logprob_fields(self) -> tuple[bool, int]:
+        if self.top_logprobs and not self.logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
+        return self.logprobs, self.top_logprobs or 0
 
     def request(self) -> GenerateRequest:
         if self.response_format is not None and self.response_format.type != "text":

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.hashing import prefix_block_hashes
+from common.sampling_fields import check_params
 from router_service.cancellation import CancelHandle
 from router_service.errors import invalid
 from router_service.registry_cache import CallerInfo, ModelInfo
@@ -45,6 +46,26 @@ class GenerateRequest:
     ignore_eos: bool = False  # keep generating past end-of-sequence up to max_tokens (load tests, benchmarks)
     session: str = ""  # rollout stickiness key; the caller name when empty
     client_id: str = ""  # the caller's own request id, echoed back for correlation only (common.names.CLIENT_ID_RE)
+    # OpenAI sampling fields carried to the engine (bounds: common.sampling_fields; SAMPLING_DEFAULTS = off)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def sampling_fields(self) -> dict:
+        """The sampling fields that differ from their defaults (sent to the engine as one parameter)."""
+        return {k: getattr(self, k) for k, default in SAMPLING_DEFAULTS.items() if getattr(self, k) != default}
+
+    def check_sampling(self, vocab_size: int) -> None:
+        problem = check_params(self, vocab_size)
+        if problem:
+            name, why = problem.split(": ", 1)
+            raise invalid(name, why)
 
     def validate(self, max_context: int) -> None:
         """Field checks that need no registry; the message names the field, the reason and what is allowed."""
@@ -111,10 +132,16 @@ class GenerateRequest:
                           "context_length_exceeded")
 
 
+SAMPLING_DEFAULTS = {"logprobs": False, "top_logprobs": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                     "repetition_penalty": 1.0, "logit_bias": {}, "min_p": 0.0, "min_tokens": 0, "stop_token_ids": []}
+
+
 @dataclass
 class TokenDelta:
     text: str
     token_ids: list[int]
+    # per id, when asked: (logprob, [(id, logprob) x top_logprobs])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass

@@ -31,7 +31,8 @@ from python_backends.engine.lora import FUSED, LoraManager
 from python_backends.engine.metrics import EngineStats
 from python_backends.engine.batch import SeqChunk
 from python_backends.engine.model_runner import ModelRunner, precision, read_model_config
-from python_backends.engine.logits import check_params, shape_logits
+from common.sampling_fields import check_params
+from python_backends.engine.logits import shape_logits
 from python_backends.engine.sampling import StepLogprobs, sample_with_logprobs
 from python_backends.engine.scheduler import Scheduler
 from python_backends.engine.sequence import FinishReason, SamplingParams, Sequence, Status

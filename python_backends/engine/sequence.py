@@ -48,7 +48,7 @@ class SamplingParams:
     seed_offset: int = 0
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
-    # OpenAI's sampling fields (bounds: python_backends.engine.logits.check_params)
+    # OpenAI's sampling fields (bounds: common.sampling_fields.check_params)
     logprobs: bool = False           # the sampled token's log probability with each released token
     top_logprobs: int = 0            # and the k most likely tokens of the distribution it was drawn from
     presence_penalty: float = 0.0    # OpenAI: logit - presence * (count > 0) - frequency * count (output tokens)

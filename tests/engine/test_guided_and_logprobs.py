@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from python_backends.engine.logits import MAX_TOP_LOGPROBS, check_params, shape_logits
+from common.sampling_fields import MAX_TOP_LOGPROBS, check_params
+from python_backends.engine.logits import shape_logits
 from python_backends.engine.sampling import sample, sample_with_logprobs
 from python_backends.engine.sequence import SamplingParams, Sequence
 from tests.engine.conftest import CHAT, run_to_end

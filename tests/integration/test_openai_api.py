@@ -4,6 +4,7 @@ that spells control tokens."""
 from __future__ import annotations
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -90,3 +91,58 @@ def test_engine_refusal_is_an_error_before_the_first_byte(platform):
     ok = httpx.post(f"{platform.http_url}/v1/completions", headers=headers, timeout=60,
                     json={**body, "adapter": ""})
     assert ok.status_code == 200, "still serving"
+
+
+def test_sdk_logprobs_streamed_and_not_and_penalties(client):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert "".join(e.token for e in content) == out.choices[0].message.content
+    for e in content:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and all(v <= 0 for v in tops)
+        assert e.top_logprobs[0].token == e.token and e.logprob == tops[0], "greedy: the most likely token"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True,
+                                                 stream_options={"include_usage": True}))
+    got = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    # (bf16 replica: a prefix-cache hit may flip a near-tie, so the streamed answer is checked on its own)
+    assert len(got) == chunks[-1].usage.completion_tokens
+    assert "".join(e.token for e in got) == "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert all(e.top_logprobs[0].token == e.token and len(e.top_logprobs) == 3 for e in got)
+    # a strong logit_bias against the greedy first token changes the answer; a penalty is accepted end to end
+    first = content[0]
+    biased = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                            logprobs=True, logit_bias={str(_token_id(client, first)): -100},
+                                            extra_body={"repetition_penalty": 1.3})
+    assert biased.choices[0].logprobs.content[0].token != first.token
+
+
+def _token_id(client, entry) -> int:
+    from transformers import AutoTokenizer
+    from build_engines.cpu import smollm2_weights
+    from common.settings import load_settings
+    tok = AutoTokenizer.from_pretrained(smollm2_weights(load_settings().cache_dir))
+    ids = tok.encode(entry.token, add_special_tokens=False)
+    assert len(ids) == 1
+    return ids[0]
+
+
+def test_grpc_sampling_parameters_and_logprob_outputs(platform):
+    """Stock tritonclient over gRPC: the same fields as request parameters; the router answers logprobs with
+    the OpenAI numbers (compared with the HTTP answer)."""
+    from tests.integration.platform import stream_completion
+    results = stream_completion(platform.grpc_url, "The capital of France is", MODEL, 4,
+                                {"authorization": f"Bearer {platform.api_key}"}, frequency_penalty=0.5,
+                                min_tokens=2, logprobs=True, top_logprobs=2)
+    deltas = [r for r in results if r.as_numpy("output_ids").size]
+    chosen = np.concatenate([r.as_numpy("output_logprobs") for r in deltas])
+    tops = np.concatenate([r.as_numpy("top_logprobs") for r in deltas]).reshape(-1, 2)
+    assert len(chosen) == sum(r.as_numpy("output_ids").size for r in deltas) >= 2
+    assert (tops[:, 0] >= tops[:, 1]).all() and (chosen <= 0).all() and np.allclose(chosen, tops[:, 0])
+    with pytest.raises(Exception) as info:
+        stream_completion(platform.grpc_url, "Hi", MODEL, 4, {"authorization": f"Bearer {platform.api_key}"},
+                          top_logprobs=50)
+    assert "INVALID_ARGUMENT" in str(info.value) and "top_logprobs" in str(info.value)

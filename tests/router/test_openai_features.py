@@ -40,6 +40,12 @@ NO_REPLICA = "nothing serves or starts m version 1"
         {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
         {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}],
         "logprobs": False, "response_format": {"type": "text"}, "n": 1, "max_completion_tokens": 4}),
+    # every sampling field within its bounds
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 20, "presence_penalty": -2, "frequency_penalty": 2, "min_p": 0.1,
+                              "logit_bias": {"5": -100, "7": 100}, "repetition_penalty": 1.2, "min_tokens": 2,
+                              "stop_token_ids": [2], "max_tokens": 4}),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "logprobs": 5, "max_tokens": 2}),
     ("/v1/completions", {"model": "m", "prompt": ["a single prompt in a list"], "max_tokens": 2, "echo": False}),
 ])
 def test_accepted_shapes_reach_routing(http, path, body):
@@ -50,9 +56,15 @@ def test_accepted_shapes_reach_routing(http, path, body):
 
 @pytest.mark.parametrize("body,param,needle", [
     ({"n": 2}, "n", "only 1 choice"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "only 0"),
-    ({"logprobs": True}, "logprobs", "not supported"),
-    ({"logit_bias": {"50": 5}}, "logit_bias", "not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "allowed: -2..2"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "allowed: 0..20"),
+    ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+    ({"logit_bias": {"abc": 5}}, "logit_bias", "is not a token id"),
+    ({"logit_bias": {"999999": 5}}, "logit_bias", "token id 999999 is out of range"),
+    ({"logit_bias": {"5": 500}}, "logit_bias", "allowed: -100..100"),
+    ({"min_p": 2}, "min_p", "allowed: 0..1"),
+    ({"max_tokens": 4, "min_tokens": 9}, "min_tokens", "between 0 and max_tokens"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "allowed: (0, 10]"),
     ({"response_format": {"type": "json_object"}}, "response_format", "allowed: 'text'"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream: true"),

@@ -36,6 +36,34 @@ def _text(value) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+_FIELDS = {"logprobs": bool, "top_logprobs": int, "presence_penalty": float, "frequency_penalty": float,
+           "repetition_penalty": float, "min_p": float, "min_tokens": int}
+
+
+def _sampling_fields(params: SamplingParams, raw) -> None:
+    """The OpenAI sampling fields from the JSON request parameter `sampling` (the router sends only those that
+    differ from their defaults); types are checked here, bounds by the engine (common.sampling_fields)."""
+    if not raw:
+        return
+    fields = json.loads(raw)
+    if not isinstance(fields, dict):
+        raise ValueError("parameter sampling: must be a JSON object")
+    for name, value in fields.items():
+        if name in _FIELDS:
+            kind = _FIELDS[name]
+            if kind is bool and not isinstance(value, bool) or kind is not bool and (
+                    isinstance(value, bool) or not isinstance(value, (int, float)) or
+                    (kind is int and not isinstance(value, int))):
+                raise ValueError(f"sampling.{name}: must be {kind.__name__}, got {value!r}")
+            setattr(params, name, kind(value))
+        elif name == "logit_bias" and isinstance(value, dict):
+            params.logit_bias = {int(k): float(v) for k, v in value.items()}
+        elif name == "stop_token_ids" and isinstance(value, list):
+            params.stop_token_ids = [int(t) for t in value]
+        else:
+            raise ValueError(f"sampling.{name}: unknown field or wrong type")
+
+
 class _TritonSink:
     def __init__(self, sender, loop: EngineLoop):
         self.sender = sender
@@ -51,6 +79,15 @@ class _TritonSink:
             pb_utils.Tensor("finish_reason", np.asarray([out.finish_reason.encode()], dtype=np.object_)),
             pb_utils.Tensor("usage", np.asarray(out.usage, dtype=np.int32)),
         ]
+        if out.logprobs is not None:   # asked for (request parameter `sampling`): per id, then k pairs per id
+            k = out.seq.params.top_logprobs
+            tensors += [
+                pb_utils.Tensor("output_logprobs", np.asarray([lp for lp, _ in out.logprobs], dtype=np.float32)),
+                pb_utils.Tensor("top_logprob_ids", np.asarray([t for _, top in out.logprobs for t, _ in top[:k]],
+                                                              dtype=np.int32)),
+                pb_utils.Tensor("top_logprobs", np.asarray([p for _, top in out.logprobs for _, p in top[:k]],
+                                                           dtype=np.float32)),
+            ]
         if out.finish_reason == "error":
             # A failure is an error response with the engine's message, never a quiet finish_reason: the router
             # answers a refusal (`refused: ` + why, before any token) with a 4xx and retries/resumes the rest.
@@ -117,6 +154,7 @@ class TritonPythonModel:
         rp = json.loads(request.parameters() or "{}")
         params.ignore_eos = bool(rp.get("ignore_eos", False))   # benchmarks: same output length everywhere
         params.seed_offset = int(rp.get("seed_offset", 0) or 0)  # a resumed stream: tokens generated before
+        _sampling_fields(params, rp.get("sampling"))
         # `priority` is reserved by tritonclient (it is Triton's own scheduling field), so the router sends
         # `llm_priority`; accept both names.
         priority = int(rp.get("llm_priority", rp.get("priority", 1)))
