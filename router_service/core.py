@@ -271,7 +271,9 @@ class Router:
                         await self._decode_text_here(p, text, emitted)
                     upstream = client.generate(
                         req, p.prompt_ids + emitted, req.max_tokens - len(emitted), p.handle,
-                        seed_offset=len(emitted) if req.seed is not None else 0, direct=direct and text.decoding)
+                        # seeded and guided streams continue from the emitted ids (random stream, grammar state)
+                        seed_offset=len(emitted) if req.seed is not None or req.guided else 0,
+                        direct=direct and text.decoding)
                     async with aclosing(guarded(upstream, self.timeouts.first_token_s[req.tier],
                                                 self.timeouts.inter_token_s[req.tier], req.deadline_ms)) as items:
                         async for item in items:

@@ -26,7 +26,7 @@ INPUTS = {
 # OpenAI sampling fields as request parameters (same names; docs/api.md): type each must have
 SAMPLING_PARAMETERS = {"logprobs": bool, "top_logprobs": int, "presence_penalty": float, "frequency_penalty": float,
                        "repetition_penalty": float, "min_p": float, "min_tokens": int, "logit_bias": str,
-                       "stop_token_ids": str}
+                       "stop_token_ids": str, "response_format": str}
 PARAMETERS = {"priority", "tier", "deadline_ms", "adapter", "session", "version",
               "ignore_eos", "triton_enable_empty_final_response", *SAMPLING_PARAMETERS}
 _CONTENTS_FIELD = {"BYTES": "bytes_contents", "BOOL": "bool_contents", "FP32": "fp32_contents",
@@ -139,6 +139,12 @@ def _sampling_parameters(req: GenerateRequest, params: dict) -> None:
                 value = {int(k): float(v) for k, v in bias.items()}
             except (ValueError, TypeError, AttributeError, RecursionError) as exc:
                 raise invalid(name, 'must be a JSON object {"token id": bias}') from exc
+        elif name == "response_format":   # the engine's spec as JSON: {"type": "json_schema", "schema": {...}}
+            try:
+                value = json.loads(value)
+            except (ValueError, RecursionError) as exc:
+                raise invalid(name, 'must be JSON such as {"type": "json_schema", "schema": {...}}') from exc
+            name = "guided"
         elif name == "stop_token_ids":
             try:
                 value = [int(t) for t in value.split(",") if t.strip()][:1000]

@@ -32,9 +32,35 @@ class StreamOptions(BaseModel):
     _nulls = model_validator(mode="before")(classmethod(lambda cls, d: _drop_nulls(d)))
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's response_format, plus `regex` (a platform extension: {"type": "regex", "pattern": ...})."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema", "regex"]
+    json_schema: JsonSchemaFormat | None = None
+    pattern: str | None = None
+
+    def guided(self) -> dict | None:
+        """The engine's structured-output spec (None for plain text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise invalid("response_format.json_schema", "is required with type json_schema")
+            return {"type": "json_schema", "schema": self.json_schema.schema_,
+                    "strict": self.json_schema.strict is not False}
+        if self.pattern is None:
+            raise invalid("response_format.pattern", "is required with type regex")
+        return {"type": "regex", "pattern": self.pattern}
 
 
 class _Common(BaseModel):
@@ -61,6 +87,7 @@ class _Common(BaseModel):
     min_p: float = 0.0
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
     # platform fields (pass with the openai client's `extra_body`)
     version: str | None = None
     adapter: str = ""
@@ -101,6 +128,7 @@ class _Common(BaseModel):
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logit_bias=self._logit_bias(), min_p=self.min_p, min_tokens=self.min_tokens,
             stop_token_ids=list(self.stop_token_ids or []),
+            guided=self.response_format.guided() if self.response_format is not None else None,
             request_id="req-" + uuid.uuid4().hex, model=self.model, version=self.version, adapter=self.adapter,
             tier=tier_from_param(self.priority),
             deadline_ms=deadline_from_param(self.deadline_ms) if self.deadline_ms is not None else None,
@@ -173,7 +201,6 @@ class ChatBody(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -184,8 +211,6 @@ class ChatBody(_Common):
         return self.logprobs, self.top_logprobs or 0
 
     def request(self) -> GenerateRequest:
-        if self.response_format is not None and self.response_format.type != "text":
-            raise invalid("response_format", f"type {self.response_format.type!r} is not supported; allowed: 'text'")
         if self.tools:
             raise invalid("tools", "tool calling is not supported; leave tools out")
         if self.tool_choice not in (None, "none", "auto"):

@@ -56,6 +56,7 @@ class GenerateRequest:
     min_p: float = 0.0
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
+    guided: dict | None = None  # structured output: {"type": json_object | json_schema | regex, ...}
 
     def sampling_fields(self) -> dict:
         """The sampling fields that differ from their defaults (sent to the engine as one parameter)."""
@@ -133,7 +134,8 @@ class GenerateRequest:
 
 
 SAMPLING_DEFAULTS = {"logprobs": False, "top_logprobs": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                     "repetition_penalty": 1.0, "logit_bias": {}, "min_p": 0.0, "min_tokens": 0, "stop_token_ids": []}
+                     "repetition_penalty": 1.0, "logit_bias": {}, "min_p": 0.0, "min_tokens": 0, "stop_token_ids": [],
+                     "guided": None}
 
 
 @dataclass

@@ -17,6 +17,7 @@ finish by length are known in advance and left out.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from python_backends.engine.metrics import EngineStats
 from python_backends.engine.batch import SeqChunk
 from python_backends.engine.model_runner import ModelRunner, precision, read_model_config
 from common.sampling_fields import check_params
+from python_backends.engine.guided import GrammarCache, Guide, apply_masks
 from python_backends.engine.logits import shape_logits
 from python_backends.engine.sampling import StepLogprobs, sample_with_logprobs
 from python_backends.engine.scheduler import Scheduler
@@ -105,6 +107,15 @@ class LLMEngine:
         self.lookahead_steps = 0
         self.steps = 0
         self.last_scheduled = 0
+        self._grammars: GrammarCache | None = None
+        self._grammars_lock = threading.Lock()
+
+    def grammars(self) -> GrammarCache:
+        """The model's grammar compiler and cache (made on first use; any thread)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCache(self.config.weights_dir, self.runner.vocab)
+            return self._grammars
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, priority: int = 1,
@@ -113,16 +124,27 @@ class LLMEngine:
         seq = Sequence(prompt_ids, params, priority, deadline_ms, lora_name, request_id)
         error = self._validate(seq)
         if error:
-            seq.status = Status.FINISHED
-            seq.finish_reason = FinishReason.ERROR
-            seq.error = error
-            self._pending.append(StepOutput(seq, [], FinishReason.ERROR.value))
-            return seq
+            return self._reject(seq, error)
+        if params.guided is not None:
+            try:
+                grammar = params.grammar if params.grammar is not None else self.grammars().compile(params.guided)
+                # a resumed stream: its last seed_offset prompt ids are output already emitted elsewhere
+                seq.guide = Guide(grammar, seq.prompt_ids[seq.num_prompt - params.seed_offset:]
+                                  if params.seed_offset else [])
+            except ValueError as exc:
+                return self._reject(seq, str(exc))
         # never generate past the context window
         params.max_tokens = max(0, min(params.max_tokens, self.config.max_context - seq.num_prompt))
         if params.stop:
             self.stop_checkers[seq.seq_id] = StopChecker(self.tokenizer, params.stop)
         self.scheduler.add(seq)
+        return seq
+
+    def _reject(self, seq: Sequence, error: str) -> Sequence:
+        seq.status = Status.FINISHED
+        seq.finish_reason = FinishReason.ERROR
+        seq.error = error
+        self._pending.append(StepOutput(seq, [], FinishReason.ERROR.value))
         return seq
 
     def _validate(self, seq: Sequence) -> str:
@@ -239,7 +261,7 @@ class LLMEngine:
         sched = self.scheduler
         if not self.async_decode or sched.waiting or len(prev.seqs) != len(sched.running):
             return []
-        if any(s.params.shapes_logits for s in prev.seqs):   # penalties need the in-flight token appended
+        if any(s.params.shapes_logits or s.guide is not None for s in prev.seqs):   # need the in-flight token
             return []
         nxt: list[Sequence] = []
         new_blocks = 0
@@ -273,6 +295,10 @@ class LLMEngine:
                          lookahead: bool) -> _Inflight:
         kernels = self.runner.kernels
         shaped = shape_logits(logits, seqs, self.runner.eos_ids, ahead=int(lookahead))
+        guided = [r for r, s in enumerate(seqs) if s.guide is not None]
+        if guided:   # grammar masks on the constrained rows, one call (outside any captured graph)
+            shaped = logits.float().clone() if shaped is logits else shaped
+            apply_masks(shaped, guided, [seqs[r].guide for r in guided], shaped.shape[-1])
         argmax = kernels.argmax_rows if kernels is not None and shaped is logits else None
         ids, logprobs = sample_with_logprobs(shaped, seqs, ahead=int(lookahead),   # lookahead: prev's token not appended
                                              argmax=argmax)
@@ -317,6 +343,8 @@ class LLMEngine:
         seq.token_ids.append(tok)
         if logprob is not None:
             seq.token_logprobs.append(logprob)
+        if seq.guide is not None and seq.guide.accept(tok):   # a complete value: nothing more may follow
+            return self._done(seq, seq.output_ids[seq.num_emitted:], FinishReason.STOP)
         checker = self.stop_checkers.get(seq.seq_id)
         if checker is not None:
             safe, hit = checker.update(seq.output_ids)

@@ -58,6 +58,8 @@ class SamplingParams:
     min_p: float = 0.0               # drop tokens below min_p x the most likely token's probability
     min_tokens: int = 0              # EOS and stop_token_ids are masked until this many tokens were generated
     stop_token_ids: list[int] = field(default_factory=list)
+    guided: dict | None = None       # structured output spec (python_backends.engine.guided)
+    grammar: object | None = None    # its compiled grammar (compiled off the loop by the Triton shim)
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +110,7 @@ class Sequence:
         self.generator: torch.Generator | None = None   # seeded requests: made on the device by sampling.py
         # per output token, when params.wants_logprobs: (logprob, [(token id, logprob) x top_logprobs])
         self.token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.guide = None                # guided.Guide of a structured-output request
 
     # ------------------------------------------------------------------ views
     @property

@@ -60,6 +60,8 @@ def _sampling_fields(params: SamplingParams, raw) -> None:
             params.logit_bias = {int(k): float(v) for k, v in value.items()}
         elif name == "stop_token_ids" and isinstance(value, list):
             params.stop_token_ids = [int(t) for t in value]
+        elif name == "guided" and isinstance(value, dict):
+            params.guided = value
         else:
             raise ValueError(f"sampling.{name}: unknown field or wrong type")
 
@@ -155,6 +157,12 @@ class TritonPythonModel:
         params.ignore_eos = bool(rp.get("ignore_eos", False))   # benchmarks: same output length everywhere
         params.seed_offset = int(rp.get("seed_offset", 0) or 0)  # a resumed stream: tokens generated before
         _sampling_fields(params, rp.get("sampling"))
+        if params.guided is not None:   # compiled here, on Triton's thread, never on the engine loop (cached)
+            try:
+                params.grammar = self.loop.engine.grammars().compile(params.guided)
+            except ValueError as exc:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"refused: {exc}")), flags=FINAL)
+                return
         # `priority` is reserved by tritonclient (it is Triton's own scheduling field), so the router sends
         # `llm_priority`; accept both names.
         priority = int(rp.get("llm_priority", rp.get("priority", 1)))
