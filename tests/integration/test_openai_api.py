@@ -146,3 +146,44 @@ def test_grpc_sampling_parameters_and_logprob_outputs(platform):
         stream_completion(platform.grpc_url, "Hi", MODEL, 4, {"authorization": f"Bearer {platform.api_key}"},
                           top_logprobs=50)
     assert "INVALID_ARGUMENT" in str(info.value) and "top_logprobs" in str(info.value)
+
+
+def test_sdk_parse_pydantic_models_streamed_and_not(client):
+    """`client.chat.completions.parse` with a pydantic model (nested object, enum, array, numbers) on the
+    real SmolLM2: the grammar makes even a 135M model produce a value the SDK parses."""
+    from enum import Enum
+
+    from pydantic import BaseModel, Field
+
+    class Colour(str, Enum):
+        red = "red"
+        green = "green"
+        blue = "blue"
+
+    # bounded numbers: without a maximum a 135M model may write digits until max_tokens (docs/api.md)
+    class Address(BaseModel):
+        city: str = Field(max_length=24)
+        number: int = Field(ge=1, le=9999)
+
+    class Person(BaseModel):
+        name: str = Field(max_length=24)
+        age: int = Field(ge=0, le=120)
+        height_m: float = Field(ge=0.5, le=2.5)
+        colour: Colour
+        hobbies: list[str] = Field(max_length=3)
+        address: Address
+
+    for prompt in ("Describe a fictional person.", "Invent a painter from Lyon.", "Who is Ada?"):
+        out = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                            response_format=Person, max_tokens=160, temperature=0)
+        assert isinstance(out.choices[0].message.parsed, Person), out.choices[0].message.content
+        assert out.choices[0].finish_reason == "stop"
+    with client.chat.completions.stream(model=MODEL, messages=[{"role": "user", "content": "Describe a cook."}],
+                                        response_format=Person, max_tokens=160, temperature=0) as stream:
+        final = stream.get_final_completion()
+    assert isinstance(final.choices[0].message.parsed, Person)
+    answer = client.chat.completions.create(  # the regex extension
+        model=MODEL, messages=[{"role": "user", "content": "Is Paris in France?"}], max_tokens=8, temperature=0,
+        response_format={"type": "regex", "pattern": "(yes|no), (sure|maybe)"})
+    assert answer.choices[0].message.content in ("yes, sure", "yes, maybe", "no, sure", "no, maybe")
+    assert answer.choices[0].finish_reason == "stop"
