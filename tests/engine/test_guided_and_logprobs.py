@@ -163,3 +163,35 @@ def test_json_schema_output_is_valid_and_survives_a_resume(engine, tokenizer):
     broken = other.add_request(prompt, SamplingParams(guided={"type": "regex", "pattern": "([a-z"}))
     assert broken.finish_reason.value == "error" and broken.error.startswith("response_format: cannot be compiled")
     other.take_pending()
+
+
+def test_stop_checker_equals_whole_text_search_and_costs_the_same_late(tokenizer):
+    """The incremental checker finds what a search of the whole decoded text finds, and a token costs about
+    the same at 4,000 output tokens as at 100 (before: the whole output was decoded twice per token)."""
+    import random
+    import time
+
+    from python_backends.engine.stops import StopChecker
+
+    rng = random.Random(3)
+    text = " ".join(rng.choice(["the cat", "sat on", "a mat.", "héllo", "wörld", "END", "x"]) for _ in range(1500))
+    ids = tokenizer.encode(text).ids[:4000]
+    for stops in (["END"], ["mat. h", "zz"], ["ö"]):
+        checker = StopChecker(tokenizer, stops)
+        for n in range(1, len(ids) + 1):
+            safe, hit = checker.update(ids[:n])
+            full = tokenizer.decode(ids[:n], skip_special_tokens=True)
+            first = min((p for p in (full.find(s) for s in stops) if p >= 0), default=-1)
+            assert hit == (first >= 0), (stops, n)
+            released = tokenizer.decode(ids[:safe], skip_special_tokens=True)
+            assert not any(s in released for s in stops) and full.startswith(released.rstrip("\ufffd"))
+            if hit:
+                break
+    checker = StopChecker(tokenizer, ["never-there"])
+    costs = []
+    for n in range(1, len(ids) + 1):
+        t0 = time.perf_counter()
+        checker.update(ids[:n])
+        costs.append(time.perf_counter() - t0)
+    early, late = sorted(costs[100:300])[100], sorted(costs[-200:])[100]   # medians: robust to a busy machine
+    assert late < 2 * early + 20e-6, (early, late)
