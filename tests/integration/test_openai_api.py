@@ -152,6 +152,7 @@ def test_sdk_parse_pydantic_models_streamed_and_not(client):
     """`client.chat.completions.parse` with a pydantic model (nested object, enum, array, numbers) on the
     real SmolLM2: the grammar makes even a 135M model produce a value the SDK parses."""
     from enum import Enum
+    from typing import Annotated
 
     from pydantic import BaseModel, Field
 
@@ -160,7 +161,7 @@ def test_sdk_parse_pydantic_models_streamed_and_not(client):
         green = "green"
         blue = "blue"
 
-    # bounded numbers: without a maximum a 135M model may write digits until max_tokens (docs/api.md)
+    # bounded numbers and strings: unbounded, a 135M model may write digits or text until max_tokens (docs/api.md)
     class Address(BaseModel):
         city: str = Field(max_length=24)
         number: int = Field(ge=1, le=9999)
@@ -170,7 +171,7 @@ def test_sdk_parse_pydantic_models_streamed_and_not(client):
         age: int = Field(ge=0, le=120)
         height_m: float = Field(ge=0.5, le=2.5)
         colour: Colour
-        hobbies: list[str] = Field(max_length=3)
+        hobbies: list[Annotated[str, Field(max_length=16)]] = Field(max_length=3)
         address: Address
 
     for prompt in ("Describe a fictional person.", "Invent a painter from Lyon.", "Who is Ada?"):
