@@ -90,7 +90,7 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
         producer.start()
     router = Router(registry, producer, region=settings.region, choice=rs.choice_params(), gateway=rs.gateway(),
                     max_waiting=args.max_waiting, batch_yield=rs.batch_yielder(), start_wait_s=args.start_wait_s,
-                    timeouts=rs.stream_timeouts(), healing=rs.healing())
+                    timeouts=rs.stream_timeouts(), healing=rs.healing(), default_max_tokens=rs.max_tokens_caps())
     router.quotas.prices = PriceBook(settings.usage_db_path)  # chargeback's prices, for budgets in money
     router.rollout_gate_percent = rs.rollout_gate_percent  # the admin API's promotion rule (docs/router.md)
     grpc_server = await start_grpc_server(router, args.host, args.grpc_port)

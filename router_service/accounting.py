@@ -64,7 +64,7 @@ def account(producer, p: Prepared, finish: Finished | None, status: str, complet
     now = time.monotonic()
     tracing.finished(status, reason, len(p.prompt_ids), completion_tokens,
                      first_token_at - p.arrived if first_token_at is not None else None)
-    metrics.REQUESTS.labels(req.model, req.tier, status).inc()
+    metrics.REQUESTS.labels(req.model, req.tier, status, reason).inc()
     metrics.TOKENS.labels(req.model, req.tier).inc(completion_tokens)
     metrics.PROMPT_TOKENS.labels(req.model, req.tier).inc(len(p.prompt_ids))
     if finish is not None:

@@ -28,12 +28,12 @@ from router_service.replica_choice import ChoiceParams, Placement, ReplicaChoose
 from router_service.replica_probe import Healing, ReplicaProber
 from router_service.replica_state import ReplicaStateTable
 from router_service.replica_set import ReplicaSet
-from router_service.request import Finished, GenerateRequest, Prepared, TokenDelta
+from router_service.request import DEFAULT_MAX_TOKENS, Finished, GenerateRequest, Prepared, TokenDelta
 from router_service.rollout import VersionReadiness
 from router_service.stream_judge import StreamJudge
 from router_service.stream_guard import DeadlineReached, ReplicaHung, StreamText, StreamTimeouts, guarded
 from router_service.tokenization import TokenizerCache
-from router_service.upstream import Preempted, ReplicaClient, ReplicaFailed
+from router_service.upstream import Preempted, ReplicaClient, ReplicaFailed, ReplicaRefused
 from router_service.visibility import resolve_model
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,8 @@ class Router:
     def __init__(self, registry: RegistryCache, usage_producer=None, region: str = "local",
                  choice: ChoiceParams | None = None, gateway: Gateway | None = None, max_waiting: int = 256,
                  batch_yield: BatchYield | None = None, start_wait_s: float = 600.0,
-                 timeouts: StreamTimeouts | None = None, healing: Healing | None = None) -> None:
+                 timeouts: StreamTimeouts | None = None, healing: Healing | None = None,
+                 default_max_tokens: dict[str, int] | None = None) -> None:
         self.registry = registry
         self.usage = usage_producer
         self.region = region
@@ -67,6 +68,8 @@ class Router:
         self.batch_yield = batch_yield or BatchYield()
         self.timeouts = timeouts or StreamTimeouts()
         self.prober = ReplicaProber(registry, self.replicas, self.client_for, self.healing.probe)
+        # max_tokens of a request that sets none: the rest of the context, at most this per tier
+        self.default_max_tokens = dict(default_max_tokens or DEFAULT_MAX_TOKENS)
 
     @property
     def inflight(self) -> dict[str, int]:
@@ -96,10 +99,12 @@ class Router:
             req.validate(model.max_context)
             if req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
                 raise RouterError("deadline_exceeded", f"deadline_ms {req.deadline_ms} has already passed")
-            req.check_prompt_size(model.max_context, *await self._limits(model))
+            vocab_size, max_token_chars = await self._limits(model)
+            req.check_prompt_size(model.max_context, vocab_size, max_token_chars)
+            req.check_sampling(vocab_size)
             if req.prompt_ids is None:
                 req.prompt_ids = await self._tokenize(model, req)
-            req.check_prompt_fits(model.max_context)
+            req.check_prompt_fits(model.max_context, self.default_max_tokens[req.tier])
             if req.seed is None and req.temperature > 0:  # so that a resumed stream continues the same draws
                 req.seed = secrets.randbits(63)
             p = Prepared(req, caller, model, list(req.prompt_ids), arrived=arrived,
@@ -281,7 +286,9 @@ class Router:
                         await self._decode_text_here(p, text, emitted)
                     upstream = client.generate(
                         req, p.prompt_ids + emitted, req.max_tokens - len(emitted), p.handle,
-                        seed_offset=len(emitted) if req.seed is not None else 0, direct=direct and text.decoding)
+                        # seeded and guided streams continue from the emitted ids (random stream, grammar state)
+                        seed_offset=len(emitted) if req.seed is not None or req.guided else 0,
+                        direct=direct and text.decoding)
                     judge = StreamJudge(self.replica_state, self.replicas, self.healing, p.model, req.request_id,
                                         replica_id)
                     async with aclosing(guarded(upstream, self.timeouts.first_token_s[req.tier],
@@ -313,6 +320,11 @@ class Router:
                     log.info("deadline of %s passed while waiting on replica %s", req.request_id, replica_id)
                     finish = self._finished(p, "deadline", emitted, replica_id, cached_tokens)
                     break
+                except ReplicaRefused as exc:
+                    if emitted:  # refused on resume: this replica cannot continue it; another may
+                        raise RouterError("replica_failure", f"request {req.request_id} could not be resumed after "
+                                          f"{len(emitted)} tokens: {exc}") from exc
+                    raise RouterError("engine_refused", f"the replica refused the request: {exc}") from exc
                 except Preempted:
                     log.info("batch request %s preempted on %s after %d tokens; re-queued", req.request_id,
                              replica_id, len(emitted))

@@ -1,23 +1,33 @@
-"""Errors the router returns to callers, with their gRPC status and HTTP code in one place."""
+"""Errors the router returns to callers, with their gRPC status, HTTP code and OpenAI error type in one place.
+
+Every error names the request field it is about (`param`, None when no one field is to blame), so the HTTP
+frontend can answer OpenAI's error object `{"message", "type", "param", "code"}` and gRPC callers get the same
+message with the matching status code."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import grpc
 
+# code -> (gRPC status, HTTP status, OpenAI error type)
 _CODES = {
-    "invalid_argument": (grpc.StatusCode.INVALID_ARGUMENT, 400),
-    "too_large": (grpc.StatusCode.INVALID_ARGUMENT, 413),
-    "unauthenticated": (grpc.StatusCode.UNAUTHENTICATED, 401),
-    "permission_denied": (grpc.StatusCode.PERMISSION_DENIED, 403),
-    "not_found": (grpc.StatusCode.NOT_FOUND, 404),
-    "resource_exhausted": (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
-    "deadline_exceeded": (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
-    "unavailable": (grpc.StatusCode.UNAVAILABLE, 503),
-    "internal": (grpc.StatusCode.INTERNAL, 500),
-    "cancelled": (grpc.StatusCode.CANCELLED, 499),
+    "invalid_argument": (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+    # prompt + max_tokens over the model's context (OpenAI's own code for it, so SDK users can match on it)
+    "context_length_exceeded": (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+    "too_large": (grpc.StatusCode.INVALID_ARGUMENT, 413, "invalid_request_error"),
+    "unauthenticated": (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error"),
+    "permission_denied": (grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error"),
+    "not_found": (grpc.StatusCode.NOT_FOUND, 404, "not_found_error"),
+    "method_not_allowed": (grpc.StatusCode.UNIMPLEMENTED, 405, "invalid_request_error"),
+    "resource_exhausted": (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+    "deadline_exceeded": (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error"),
+    "unavailable": (grpc.StatusCode.UNAVAILABLE, 503, "server_error"),
+    "internal": (grpc.StatusCode.INTERNAL, 500, "server_error"),
+    "cancelled": (grpc.StatusCode.CANCELLED, 499, "cancelled"),
     # the replicas serving the request died or hung while streaming it (see core.MAX_REPLICA_KILLS)
-    "replica_failure": (grpc.StatusCode.ABORTED, 502),
+    "replica_failure": (grpc.StatusCode.ABORTED, 502, "server_error"),
+    # the replica's engine refused the request before generating (its message is passed on)
+    "engine_refused": (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
 }
 
 
@@ -26,6 +36,7 @@ class RouterError(Exception):
     code: str
     message: str
     retry_after_ms: int | None = None
+    param: str | None = None   # the request field at fault (OpenAI's `param`)
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -40,6 +51,15 @@ class RouterError(Exception):
     def http_status(self) -> int:
         return _CODES[self.code][1]
 
+    @property
+    def error_type(self) -> str:
+        """OpenAI's error `type` for this code."""
+        return _CODES[self.code][2]
 
-def invalid(field: str, why: str) -> RouterError:
-    return RouterError("invalid_argument", f"{field}: {why}")
+    def openai(self) -> dict:
+        """The OpenAI error object (HTTP bodies and in-band stream errors)."""
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+def invalid(field: str, why: str, code: str = "invalid_argument") -> RouterError:
+    return RouterError(code, f"{field}: {why}", param=field)

@@ -2,6 +2,7 @@
 encode streamed deltas as ModelInferResponses (tensor names: docs/architecture.md, Replica interface)."""
 from __future__ import annotations
 
+import json
 import struct
 import uuid
 from array import array
@@ -22,8 +23,12 @@ INPUTS = {
     "random_seed": ({"UINT64", "INT64", "INT32", "UINT32"}, True), "stop_words": ({"BYTES"}, False),
     "lora_name": ({"BYTES"}, True), "stream": ({"BOOL"}, True),
 }
-PARAMETERS = {"priority", "tier", "deadline_ms", "adapter", "session", "cache_hint", "version",
-              "ignore_eos", "triton_enable_empty_final_response"}
+# OpenAI sampling fields as request parameters (same names; docs/api.md): type each must have
+SAMPLING_PARAMETERS = {"logprobs": bool, "top_logprobs": int, "presence_penalty": float, "frequency_penalty": float,
+                       "repetition_penalty": float, "min_p": float, "min_tokens": int, "logit_bias": str,
+                       "stop_token_ids": str, "response_format": str}
+PARAMETERS = {"priority", "tier", "deadline_ms", "adapter", "session", "version",
+              "ignore_eos", "triton_enable_empty_final_response", *SAMPLING_PARAMETERS}
 _CONTENTS_FIELD = {"BYTES": "bytes_contents", "BOOL": "bool_contents", "FP32": "fp32_contents",
                    "FP64": "fp64_contents", "INT32": "int_contents", "INT64": "int64_contents",
                    "UINT32": "uint_contents", "UINT64": "uint64_contents"}
@@ -113,7 +118,39 @@ def decode_request(request: pb.ModelInferRequest) -> GenerateRequest:
         if not isinstance(params["ignore_eos"], bool):
             raise invalid("ignore_eos", "must be a bool parameter (true: generate max_tokens even past end-of-sequence)")
         req.ignore_eos = params["ignore_eos"]
+    _sampling_parameters(req, params)
     return req
+
+
+def _sampling_parameters(req: GenerateRequest, params: dict) -> None:
+    """logprobs (bool), top_logprobs/min_tokens (int), penalties/min_p (double or int), logit_bias (JSON object
+    string {"token id": bias}), stop_token_ids (comma-separated ids)."""
+    for name, kind in SAMPLING_PARAMETERS.items():
+        value = params.get(name)
+        if value is None:
+            continue
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if type(value) is not kind:
+            raise invalid(name, f"must be a {kind.__name__} parameter, got {type(value).__name__}")
+        if name == "logit_bias":
+            try:
+                bias = json.loads(value)
+                value = {int(k): float(v) for k, v in bias.items()}
+            except (ValueError, TypeError, AttributeError, RecursionError) as exc:
+                raise invalid(name, 'must be a JSON object {"token id": bias}') from exc
+        elif name == "response_format":   # the engine's spec as JSON: {"type": "json_schema", "schema": {...}}
+            try:
+                value = json.loads(value)
+            except (ValueError, RecursionError) as exc:
+                raise invalid(name, 'must be JSON such as {"type": "json_schema", "schema": {...}}') from exc
+            name = "guided"
+        elif name == "stop_token_ids":
+            try:
+                value = [int(t) for t in value.split(",") if t.strip()][:1000]
+            except ValueError as exc:
+                raise invalid(name, "must be comma-separated token ids") from exc
+        setattr(req, name, value)
 
 
 def tier_from_param(value) -> str:
@@ -184,9 +221,22 @@ def encode_stream_response(req: GenerateRequest, version: str, item: TokenDelta 
     resp.outputs[1].shape[0] = len(ids)
     resp.raw_output_contents.extend((_bytes1(text.encode()), array("i", ids).tobytes(), _bytes1(reason.encode()),
                                      array("i", usage).tobytes()))
+    if isinstance(item, TokenDelta) and item.logprobs is not None:   # asked for with the logprobs parameters
+        _add_logprob_outputs(resp, item.logprobs)
     if isinstance(item, Finished):
         resp.parameters["triton_final_response"].bool_param = True
     return out
+
+
+def _add_logprob_outputs(resp: pb.ModelInferResponse, logprobs: list) -> None:
+    """output_logprobs FP32 [n] (each id's), top_logprob_ids INT32 / top_logprobs FP32 [n * top_logprobs]."""
+    chosen = [lp for lp, _ in logprobs]
+    ids = [t for _, top in logprobs for t, _ in top]
+    lps = [v for _, top in logprobs for _, v in top]
+    for name, dtype, values, code in (("output_logprobs", "FP32", chosen, "f"), ("top_logprob_ids", "INT32", ids, "i"),
+                                      ("top_logprobs", "FP32", lps, "f")):
+        resp.outputs.add(name=name, datatype=dtype, shape=[len(values)])
+        resp.raw_output_contents.append(array(code, values).tobytes())
 
 
 def encode_response(req: GenerateRequest, version: str, item: TokenDelta | Finished) -> pb.ModelInferResponse:

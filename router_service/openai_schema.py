@@ -1,17 +1,71 @@
-"""OpenAI-compatible request bodies (with the platform's extra fields) and their mapping to GenerateRequest."""
+"""OpenAI-compatible request bodies (with the platform's extra fields) and their mapping to GenerateRequest.
+
+OpenAI semantics kept here: an explicit JSON `null` means the field is absent (the SDKs send them), chat
+content may be a string or an array of text parts, `developer` is the newer name of `system`, and an
+absent `max_tokens` means the rest of the context (resolved in GenerateRequest.check_prompt_fits). Fields
+the platform does not implement are refused with a 400 naming the field and what is allowed, never
+silently ignored; docs/api.md lists every field.
+"""
 from __future__ import annotations
 
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from router_service.errors import invalid
 from router_service.kserve_codec import deadline_from_param, tier_from_param
 from router_service.request import MAX_CHAT_MESSAGES, GenerateRequest
+
+MAX_CONTENT_PARTS = 256
+
+
+def _drop_nulls(data: Any) -> Any:
+    """`{"temperature": null}` is `{}`: OpenAI's API and its SDKs treat an explicit null as not set."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False   # one more chunk before [DONE]: `choices: []` and the usage
+
+    _nulls = model_validator(mode="before")(classmethod(lambda cls, d: _drop_nulls(d)))
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format, plus `regex` (a platform extension: {"type": "regex", "pattern": ...})."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema", "regex"]
+    json_schema: JsonSchemaFormat | None = None
+    pattern: str | None = None
+
+    def guided(self) -> dict | None:
+        """The engine's structured-output spec (None for plain text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"type": "json_object"}
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise invalid("response_format.json_schema", "is required with type json_schema")
+            return {"type": "json_schema", "schema": self.json_schema.schema_,
+                    "strict": self.json_schema.strict is not False}
+        if self.pattern is None:
+            raise invalid("response_format.pattern", "is required with type regex")
+        return {"type": "regex", "pattern": self.pattern}
 
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    _nulls = model_validator(mode="before")(classmethod(lambda cls, d: _drop_nulls(d)))
 
     model: str = Field(min_length=1)
     max_tokens: int | None = None
@@ -22,34 +76,74 @@ class _Common(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: dict | None = None
-    n: Literal[1] = 1
+    stream_options: StreamOptions | None = None
+    n: int = 1
     user: str | None = None
-    presence_penalty: Literal[0, 0.0] = 0
-    frequency_penalty: Literal[0, 0.0] = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # vLLM's names for the sampling fields OpenAI lacks (pass with `extra_body`)
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
     # platform fields (pass with the openai client's `extra_body`)
     version: str | None = None
     adapter: str = ""
     priority: str | int | None = None
     deadline_ms: int | None = None
     session: str = ""
-    cache_hint: str | None = None
     ignore_eos: bool = False  # generate max_tokens even past end-of-sequence (load tests, benchmarks)
 
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def refuse_unsupported(self) -> None:
+        """Fields the SDKs send whose non-default values this platform does not implement: a clear 400."""
+        if self.n != 1:
+            raise invalid("n", f"only 1 choice per request is supported, got {self.n}; send separate requests")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options", "is only allowed with stream: true")
+
+    def logprob_fields(self) -> tuple[bool, int]:
+        """(logprobs, top_logprobs) as this endpoint spells them."""
+        raise NotImplementedError
+
+    def _logit_bias(self) -> dict[int, float]:
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.lstrip("-").isdigit() and len(key) < 12):
+                raise invalid("logit_bias", f"key {key[:32]!r} is not a token id")
+            out[int(key)] = bias
+        return out
+
     def to_request(self, **prompt) -> GenerateRequest:
+        self.refuse_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        logprobs, top_logprobs = self.logprob_fields()
         return GenerateRequest(
+            logprobs=logprobs, top_logprobs=top_logprobs, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            logit_bias=self._logit_bias(), min_p=self.min_p, min_tokens=self.min_tokens,
+            stop_token_ids=list(self.stop_token_ids or []),
+            guided=self.response_format.guided() if self.response_format is not None else None,
             request_id="req-" + uuid.uuid4().hex, model=self.model, version=self.version, adapter=self.adapter,
             tier=tier_from_param(self.priority),
             deadline_ms=deadline_from_param(self.deadline_ms) if self.deadline_ms is not None else None,
-            max_tokens=next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None), 64),
+            max_tokens=next((m for m in (self.max_completion_tokens, self.max_tokens) if m is not None), None),
             temperature=self.temperature,
             top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop, session=self.session or self.user or "",
             ignore_eos=self.ignore_eos, **prompt)
 
 
 class CompletionBody(_Common):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str]
+    logprobs: int | None = None   # legacy completions: the number of top tokens (0 = the sampled one only)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -58,22 +152,68 @@ class CompletionBody(_Common):
             raise ValueError("the prompt is empty")
         return v
 
+    def logprob_fields(self) -> tuple[bool, int]:
+        return self.logprobs is not None, self.logprobs or 0
+
     def request(self) -> GenerateRequest:
-        if isinstance(self.prompt, list):
-            return self.to_request(prompt_ids=list(self.prompt))
-        return self.to_request(prompt_text=self.prompt)
+        if self.echo:
+            raise invalid("echo", "is not supported; send false or leave it out")
+        if self.suffix:
+            raise invalid("suffix", "is not supported (no fill-in-the-middle); leave it out")
+        if self.best_of not in (None, 1):
+            raise invalid("best_of", f"only 1 is supported, got {self.best_of}")
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise invalid("prompt", f"a list of {len(prompt)} prompts; one prompt per request is supported")
+            prompt = prompt[0]
+            if not prompt.strip():
+                raise invalid("prompt", "the prompt is empty")
+        if isinstance(prompt, list):
+            return self.to_request(prompt_ids=list(prompt))
+        return self.to_request(prompt_text=prompt)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
+    _nulls = model_validator(mode="before")(classmethod(lambda cls, d: _drop_nulls(d)))
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] = Field(max_length=MAX_CONTENT_PARTS)
     name: str | None = None
+
+    def text(self) -> str:
+        """Text parts are joined with a newline (as vLLM does)."""
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        # `developer` is OpenAI's newer name of `system`; chat templates know `system`
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
 
 
 class ChatBody(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    def logprob_fields(self) -> tuple[bool, int]:
+        if self.top_logprobs and not self.logprobs:
+            raise invalid("top_logprobs", "needs logprobs: true")
+        return self.logprobs, self.top_logprobs or 0
 
     def request(self) -> GenerateRequest:
-        msgs = [{"role": m.role, "content": m.content} for m in self.messages]
+        if self.tools:
+            raise invalid("tools", "tool calling is not supported; leave tools out")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise invalid("tool_choice", "only 'none' or 'auto' (without tools) is supported")
+        msgs = [m.for_template() for m in self.messages]
         return self.to_request(chat_messages=msgs, prompt_text="\n".join(m["content"] for m in msgs))

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.hashing import prefix_block_hashes
+from common.sampling_fields import check_params
 from router_service.cancellation import CancelHandle
 from router_service.errors import invalid
 from router_service.registry_cache import CallerInfo, ModelInfo
@@ -20,6 +21,9 @@ MAX_STOP_TOTAL_CHARS = 1024
 MAX_PROMPT_BYTES = 1_000_000
 MAX_CHAT_MESSAGES = 512
 MAX_SESSION_CHARS = 256
+# max_tokens when a request sets none: the rest of the context, at most this many per tier (router setting
+# FLEET_ROUTER_DEFAULT_MAX_TOKENS overrides it)
+DEFAULT_MAX_TOKENS = {"interactive": 1024, "standard": 2048, "batch": 4096}
 
 
 @dataclass
@@ -33,7 +37,7 @@ class GenerateRequest:
     adapter: str = ""
     tier: str = "standard"
     deadline_ms: int | None = None  # absolute, unix epoch milliseconds
-    max_tokens: int = 64
+    max_tokens: int | None = None  # None: the rest of the context, capped per tier (resolve_max_tokens)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -43,15 +47,38 @@ class GenerateRequest:
     session: str = ""  # rollout stickiness key; the caller name when empty
     client_id: str = ""  # the caller's own request id, echoed back for correlation only (common.names.CLIENT_ID_RE)
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C fields of the current upstream attempt
+    # OpenAI sampling fields carried to the engine (bounds: common.sampling_fields; SAMPLING_DEFAULTS = off)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    guided: dict | None = None  # structured output: {"type": json_object | json_schema | regex, ...}
+
+    def sampling_fields(self) -> dict:
+        """The sampling fields that differ from their defaults (sent to the engine as one parameter)."""
+        return {k: getattr(self, k) for k, default in SAMPLING_DEFAULTS.items() if getattr(self, k) != default}
+
+    def check_sampling(self, vocab_size: int) -> None:
+        problem = check_params(self, vocab_size)
+        if problem:
+            name, why = problem.split(": ", 1)
+            raise invalid(name, why)
 
     def validate(self, max_context: int) -> None:
         """Field checks that need no registry; the message names the field, the reason and what is allowed."""
         if self.tier not in TIERS:
             raise invalid("priority", f"{self.tier!r} is not a tier; allowed: {', '.join(TIERS)}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise invalid("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if self.max_tokens > max_context:
-            raise invalid("max_tokens", f"{self.max_tokens} exceeds the model's context of {max_context} tokens")
+        if self.max_tokens is not None:
+            if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+                raise invalid("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+            if self.max_tokens > max_context:
+                raise invalid("max_tokens", f"{self.max_tokens} exceeds the model's context of {max_context} tokens",
+                              "context_length_exceeded")
         if not math.isfinite(self.temperature) or not 0.0 <= self.temperature <= 2.0:
             raise invalid("temperature", f"must be between 0 and 2, got {self.temperature}")
         if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -88,19 +115,36 @@ class GenerateRequest:
             raise invalid("prompt", f"has {chars} characters, more than the model's context of {max_context} tokens "
                                     f"can hold")
 
-    def check_prompt_fits(self, max_context: int) -> None:
+    def check_prompt_fits(self, max_context: int, default_cap: int | None = None) -> None:
+        """The prompt and max_tokens fit the context; an absent max_tokens becomes the rest of the context,
+        at most `default_cap` (the tier's setting), as OpenAI's API does."""
         n = len(self.prompt_ids or [])
         if n == 0:
             raise invalid("prompt", "is empty")
+        if n >= max_context:
+            raise invalid("messages" if self.chat_messages is not None else "prompt",
+                          f"has {n} tokens; that leaves no room for output in the model's context of {max_context} tokens",
+                          "context_length_exceeded")
+        if self.max_tokens is None:
+            cap = DEFAULT_MAX_TOKENS[self.tier] if default_cap is None else default_cap
+            self.max_tokens = max(1, min(cap, max_context - n))
         if n + self.max_tokens > max_context:
-            raise invalid("prompt", f"has {n} tokens; with max_tokens={self.max_tokens} that is {n + self.max_tokens}, "
-                                    f"over the model's context of {max_context} tokens")
+            raise invalid("max_tokens", f"the prompt has {n} tokens; with max_tokens={self.max_tokens} that is "
+                                        f"{n + self.max_tokens}, over the model's context of {max_context} tokens",
+                          "context_length_exceeded")
+
+
+SAMPLING_DEFAULTS = {"logprobs": False, "top_logprobs": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                     "repetition_penalty": 1.0, "logit_bias": {}, "min_p": 0.0, "min_tokens": 0, "stop_token_ids": [],
+                     "guided": None}
 
 
 @dataclass
 class TokenDelta:
     text: str
     token_ids: list[int]
+    # per id, when asked: (logprob, [(id, logprob) x top_logprobs])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass

@@ -16,6 +16,7 @@ from router_service.gateway import DEFAULT_BURST, DEFAULT_RATE_PER_S, Gateway
 from router_service.replica_choice import ChoiceParams
 from router_service.rollout import DEFAULT_GATE_PERCENT
 from router_service.replica_probe import Healing, ProbeSettings
+from router_service.request import DEFAULT_MAX_TOKENS
 from router_service.stream_guard import (DEFAULT_FIRST_TOKEN_S, DEFAULT_INTER_TOKEN_S, DEFAULT_SLOW_READER_S,
                                          DEFAULT_STREAM_QUEUE, StreamTimeouts, per_tier)
 
@@ -55,12 +56,27 @@ class RouterSettings(BaseSettings):
     probe_max_interval_s: float = Field(_HEALING.probe.max_interval_s, gt=0)
     probe_timeout_s: float = Field(_HEALING.probe.timeout_s, gt=0)
     probe_restart_after: int = Field(_HEALING.probe.restart_after, gt=0)
+    default_max_tokens: str = Field("", description="max_tokens of a request that sets none: the rest of the "
+                                                    "context, at most this per tier, e.g. 'interactive=1024,"
+                                                    "standard=2048,batch=4096' or one number")
 
     @field_validator("first_token_timeout_s", "inter_token_timeout_s")
     @classmethod
     def _tiers(cls, value: str) -> str:
         per_tier(value, DEFAULT_FIRST_TOKEN_S)  # raises with the problem: the router refuses to start
         return value
+
+    @field_validator("default_max_tokens")
+    @classmethod
+    def _token_caps(cls, value: str) -> str:
+        caps = per_tier(value, {k: float(v) for k, v in DEFAULT_MAX_TOKENS.items()})
+        if any(v != int(v) for v in caps.values()):
+            raise ValueError(f"{value!r}: token caps must be whole numbers")
+        return value
+
+    def max_tokens_caps(self) -> dict[str, int]:
+        return {k: int(v) for k, v in per_tier(self.default_max_tokens,
+                                               {k: float(v) for k, v in DEFAULT_MAX_TOKENS.items()}).items()}
 
     def choice_params(self) -> ChoiceParams:
         return ChoiceParams(load_weight=self.load_weight, epsilon=self.load_epsilon,

@@ -220,7 +220,7 @@ class StreamText:
         if self.detok is None:
             self.sent_chars += len(item.text)
             return item
-        return TokenDelta(self._take(self.detok.add(item.token_ids)), item.token_ids)
+        return TokenDelta(self._take(self.detok.add(item.token_ids)), item.token_ids, item.logprobs)
 
     def tail(self) -> str:
         """At the end of the stream: whatever the router's decoder still holds back."""

@@ -14,6 +14,7 @@ restarted), the request is sent again at once with `lora_load`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from array import array
@@ -38,6 +39,9 @@ OUTPUTS = ("text_output", "output_ids", "finish_reason", "usage")
 # `postprocessing` model (another Python process) on the cores that run the model.
 ENGINE = "engine"
 ENGINE_OUTPUTS = ("output_ids", "finish_reason", "usage")
+# asked for only when the request wants logprobs: per released id its logprob, and top_logprobs (id, logprob)
+# pairs per id, flattened
+LOGPROB_OUTPUTS = ("output_logprobs", "top_logprob_ids", "top_logprobs")
 # TensorRT-LLM's PeftCacheManager: "LoRA task <id> not found in cache. Please send LoRA weights with request"
 LORA_NOT_CACHED = re.compile(r"LoRA task \d+ not found in cache")
 
@@ -49,6 +53,14 @@ class ReplicaFailed(Exception):
     def __init__(self, message: str, alive: bool = False) -> None:
         super().__init__(message)
         self.alive = alive
+
+
+class ReplicaRefused(Exception):
+    """The replica's engine refused the request before generating (its message says why): not retried."""
+
+
+# The engine shim starts a refusal's error message with this (model_repository/engine/1/model.py)
+REFUSED_PREFIX = "refused: "
 
 
 class Preempted(Exception):
@@ -81,6 +93,16 @@ def is_final(response) -> bool:
     """Triton's last response of a decoupled stream (the empty one when nothing else carries the flag)."""
     param = response.parameters.get("triton_final_response")
     return param is not None and param.bool_param
+
+
+def _logprobs(out: dict[str, bytes], k: int) -> list[tuple[float, list[tuple[int, float]]]] | None:
+    if "output_logprobs" not in out:
+        return None
+    chosen, ids, lps = array("f"), array("i"), array("f")
+    chosen.frombytes(out["output_logprobs"])
+    ids.frombytes(out.get("top_logprob_ids", b""))
+    lps.frombytes(out.get("top_logprobs", b""))
+    return [(chosen[i], list(zip(ids[i * k:(i + 1) * k], lps[i * k:(i + 1) * k]))) for i in range(len(chosen))]
 
 
 def _decode(result) -> tuple[str, list[int], str, list[int]]:
@@ -138,13 +160,21 @@ class ReplicaClient:
             params["lora_load"] = True
         if req.ignore_eos:
             params["ignore_eos"] = True
+        sampling = req.sampling_fields()
+        if sampling:
+            if not direct:  # TensorRT-LLM replicas behind the ensemble: not wired (docs/api.md)
+                raise ReplicaRefused(f"{', '.join(sampling)}: served by CPU engine replicas only; this model's "
+                                     "replicas do not take them")
+            params["sampling"] = json.dumps({k: ({str(t): b for t, b in v.items()} if k == "logit_bias" else v)
+                                             for k, v in sampling.items()}, separators=(",", ":"))
         if seed_offset:  # a resumed seeded stream: the engine continues the random stream at this step
             params["seed_offset"] = seed_offset
         params.update(req.trace_context)  # traceparent of this attempt's span (router_service.tracing)
         request = _get_inference_request(
             model_name=ENGINE if direct else ENSEMBLE, inputs=build_inputs(req, prompt_ids, max_tokens),
             model_version="", request_id=req.request_id,
-            outputs=[InferRequestedOutput(name) for name in (ENGINE_OUTPUTS if direct else OUTPUTS)], sequence_id=0,
+            outputs=[InferRequestedOutput(name) for name in (ENGINE_OUTPUTS if direct else OUTPUTS)
+                     + (LOGPROB_OUTPUTS if direct and (req.logprobs or req.top_logprobs) else ())], sequence_id=0,
             sequence_start=False, sequence_end=False, priority=0, timeout=None, parameters=params)
         # tritonclient's stream_infer refuses `triton_`-prefixed parameters, so the request is built with its
         # own helper and Triton's switch for the empty final response is set here.
@@ -196,12 +226,20 @@ class ReplicaClient:
                     if LORA_NOT_CACHED.search(response.error_message) and not emitted and not lora_load:
                         self.lora_sent.discard(req.adapter)
                         raise LoraNotCached(response.error_message)
+                    at = response.error_message.find(REFUSED_PREFIX)   # Triton may prefix the backend's text
+                    if at >= 0 and not emitted:
+                        raise ReplicaRefused(response.error_message[at + len(REFUSED_PREFIX):])
                     raise ReplicaFailed(response.error_message, alive=True)
                 text, ids, reason, usage = _decode(InferResult(response.infer_response))
+                resp = response.infer_response
+                lps = _logprobs({o.name: resp.raw_output_contents[i] for i, o in enumerate(resp.outputs)},
+                                req.top_logprobs) if len(resp.raw_output_contents) == len(resp.outputs) else None
+                if reason == "error":  # a replica too old to send the engine's message: a failure there
+                    raise ReplicaFailed("the replica ended the stream with an error", alive=True)
                 emitted += len(ids)
                 cached = max(cached, int(usage[1]))  # GPU: kv_cache_reused_blocks x block size, on every response
                 if text or ids:
-                    yield TokenDelta(text, ids)
+                    yield TokenDelta(text, ids, lps)
                 final = is_final(response.infer_response)
                 if reason or final:
                     # GPU ensemble: the final flag is the end; the router asked for max_tokens, so fewer = stop

@@ -17,6 +17,7 @@ finish by length are known in advance and left out.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,10 @@ from python_backends.engine.lora import FUSED, LoraManager
 from python_backends.engine.metrics import EngineStats
 from python_backends.engine.batch import SeqChunk
 from python_backends.engine.model_runner import ModelRunner, precision, read_model_config
-from python_backends.engine.sampling import sample_on_device
+from common.sampling_fields import check_params
+from python_backends.engine.guided import GrammarCache, Guide, apply_masks
+from python_backends.engine.logits import shape_logits
+from python_backends.engine.sampling import StepLogprobs, sample_with_logprobs
 from python_backends.engine.scheduler import Scheduler
 from python_backends.engine.sequence import FinishReason, SamplingParams, Sequence, Status
 from python_backends.engine.stops import StopChecker
@@ -42,6 +46,8 @@ class StepOutput:
     seq: Sequence
     token_ids: list[int]              # newly released output ids (often one, may be none)
     finish_reason: str = ""           # "" until the final output
+    # per released id, when the request asked: (logprob, [(id, logprob) x top_logprobs])
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -61,6 +67,7 @@ class _Inflight:
     event: torch.cuda.Event | None    # recorded after the copy: waiting on it does not wait for later steps
     prefill_tokens: int
     lookahead: bool                   # launched ahead: its sequences' new full blocks are indexed on resolve
+    logprobs: StepLogprobs | None = None   # rows that asked for logprobs (still on the device)
 
 
 class LLMEngine:
@@ -100,6 +107,15 @@ class LLMEngine:
         self.lookahead_steps = 0
         self.steps = 0
         self.last_scheduled = 0
+        self._grammars: GrammarCache | None = None
+        self._grammars_lock = threading.Lock()
+
+    def grammars(self) -> GrammarCache:
+        """The model's grammar compiler and cache (made on first use; any thread)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCache(self.config.weights_dir, self.runner.vocab)
+            return self._grammars
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, priority: int = 1,
@@ -108,16 +124,27 @@ class LLMEngine:
         seq = Sequence(prompt_ids, params, priority, deadline_ms, lora_name, request_id)
         error = self._validate(seq)
         if error:
-            seq.status = Status.FINISHED
-            seq.finish_reason = FinishReason.ERROR
-            seq.error = error
-            self._pending.append(StepOutput(seq, [], FinishReason.ERROR.value))
-            return seq
+            return self._reject(seq, error)
+        if params.guided is not None:
+            try:
+                grammar = params.grammar if params.grammar is not None else self.grammars().compile(params.guided)
+                # a resumed stream: its last seed_offset prompt ids are output already emitted elsewhere
+                seq.guide = Guide(grammar, seq.prompt_ids[seq.num_prompt - params.seed_offset:]
+                                  if params.seed_offset else [])
+            except ValueError as exc:
+                return self._reject(seq, str(exc))
         # never generate past the context window
         params.max_tokens = max(0, min(params.max_tokens, self.config.max_context - seq.num_prompt))
         if params.stop:
             self.stop_checkers[seq.seq_id] = StopChecker(self.tokenizer, params.stop)
         self.scheduler.add(seq)
+        return seq
+
+    def _reject(self, seq: Sequence, error: str) -> Sequence:
+        seq.status = Status.FINISHED
+        seq.finish_reason = FinishReason.ERROR
+        seq.error = error
+        self._pending.append(StepOutput(seq, [], FinishReason.ERROR.value))
         return seq
 
     def _validate(self, seq: Sequence) -> str:
@@ -133,7 +160,7 @@ class LLMEngine:
             return f"unknown adapter {seq.lora_name!r}"
         if seq.params.stop and self.tokenizer is None:
             return "stop strings need the model's tokenizer.json"
-        return ""
+        return check_params(seq.params, self.runner.vocab)
 
     def abort(self, seq: Sequence, reason: FinishReason = FinishReason.CANCELLED) -> None:
         """Stop a sequence now and free its blocks (cancellation, deadline)."""
@@ -234,6 +261,8 @@ class LLMEngine:
         sched = self.scheduler
         if not self.async_decode or sched.waiting or len(prev.seqs) != len(sched.running):
             return []
+        if any(s.params.shapes_logits or s.guide is not None for s in prev.seqs):   # need the in-flight token
+            return []
         nxt: list[Sequence] = []
         new_blocks = 0
         for seq in prev.seqs:
@@ -265,34 +294,41 @@ class LLMEngine:
     def _launch_sampling(self, logits: torch.Tensor, seqs: list[Sequence], prefill_tokens: int,
                          lookahead: bool) -> _Inflight:
         kernels = self.runner.kernels
-        ids = sample_on_device(logits, seqs, ahead=int(lookahead),   # lookahead: prev's token not appended
-                               argmax=kernels.argmax_rows if kernels is not None else None)
+        shaped = shape_logits(logits, seqs, self.runner.eos_ids, ahead=int(lookahead))
+        guided = [r for r, s in enumerate(seqs) if s.guide is not None]
+        if guided:   # grammar masks on the constrained rows, one call (outside any captured graph)
+            shaped = logits.float().clone() if shaped is logits else shaped
+            apply_masks(shaped, guided, [seqs[r].guide for r in guided], shaped.shape[-1])
+        argmax = kernels.argmax_rows if kernels is not None and shaped is logits else None
+        ids, logprobs = sample_with_logprobs(shaped, seqs, ahead=int(lookahead),   # lookahead: prev's token not appended
+                                             argmax=argmax)
         host, event = ids, None
         if ids.device.type == "cuda":
             host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
             host.copy_(ids, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        return _Inflight(seqs, ids, host, event, prefill_tokens, lookahead)
+        return _Inflight(seqs, ids, host, event, prefill_tokens, lookahead, logprobs)
 
     def _resolve(self, flight: _Inflight) -> list[StepOutput]:
         """Wait for a launched step's ids (only them: later launches keep running) and apply them."""
         if flight.event is not None:
             flight.event.synchronize()
         new_ids = flight.host.tolist()
+        lps = flight.logprobs.per_row(flight.seqs) if flight.logprobs is not None else {}
         now = time.monotonic()
         outputs = []
-        for seq, tok in zip(flight.seqs, new_ids):
+        for row, (seq, tok) in enumerate(zip(flight.seqs, new_ids)):
             if seq.finished:             # stopped or aborted after this step was launched: a wasted row
                 continue
             if flight.lookahead:
                 self.kv.commit(seq)
-            outputs.append(self._append(seq, tok, now))
+            outputs.append(self._append(seq, tok, now, lps.get(row)))
         self.stats.on_step(len(outputs), flight.prefill_tokens)
         self.steps += 1
         return outputs
 
-    def _append(self, seq: Sequence, tok: int, now: float) -> StepOutput:
+    def _append(self, seq: Sequence, tok: int, now: float, logprob=None) -> StepOutput:
         if seq.first_token_at is None:
             seq.first_token_at = now
             self.stats.on_first_token(now - seq.arrival)
@@ -300,11 +336,15 @@ class LLMEngine:
             self.stats.on_token(now - seq.last_token_at)
         seq.last_token_at = now
         p = seq.params
-        if tok in self.runner.eos_ids and not p.ignore_eos:
-            # EOS itself is not emitted; release whatever stop-string hold-back was keeping
+        if (tok in self.runner.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            # EOS (or a stop token id) itself is not emitted; release whatever stop-string hold-back was keeping
             release = seq.output_ids[seq.num_emitted:]
             return self._done(seq, release, FinishReason.STOP)
         seq.token_ids.append(tok)
+        if logprob is not None:
+            seq.token_logprobs.append(logprob)
+        if seq.guide is not None and seq.guide.accept(tok):   # a complete value: nothing more may follow
+            return self._done(seq, seq.output_ids[seq.num_emitted:], FinishReason.STOP)
         checker = self.stop_checkers.get(seq.seq_id)
         if checker is not None:
             safe, hit = checker.update(seq.output_ids)
@@ -315,13 +355,21 @@ class LLMEngine:
             release = [tok]
         if seq.num_output >= p.max_tokens or seq.num_tokens >= self.config.max_context:
             return self._done(seq, seq.output_ids[seq.num_emitted:], FinishReason.LENGTH)
+        out = StepOutput(seq, release, logprobs=self._released_logprobs(seq, len(release)))
         seq.num_emitted += len(release)
-        return StepOutput(seq, release)
+        return out
 
     def _done(self, seq: Sequence, release: list[int], reason: FinishReason) -> StepOutput:
+        logprobs = self._released_logprobs(seq, len(release))
         seq.num_emitted += len(release)
         self._finish(seq, reason)
-        return StepOutput(seq, release, reason.value)
+        return StepOutput(seq, release, reason.value, logprobs)
+
+    @staticmethod
+    def _released_logprobs(seq: Sequence, n: int):
+        if not seq.params.wants_logprobs:
+            return None
+        return seq.token_logprobs[seq.num_emitted:seq.num_emitted + n]
 
     # ------------------------------------------------------------------ introspection
     def kv_overhead(self) -> float:

@@ -48,10 +48,32 @@ class SamplingParams:
     seed_offset: int = 0
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # OpenAI's sampling fields (bounds: common.sampling_fields.check_params)
+    logprobs: bool = False           # the sampled token's log probability with each released token
+    top_logprobs: int = 0            # and the k most likely tokens of the distribution it was drawn from
+    presence_penalty: float = 0.0    # OpenAI: logit - presence * (count > 0) - frequency * count (output tokens)
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # transformers' rule over prompt + output: logit / r if > 0 else logit * r
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0               # drop tokens below min_p x the most likely token's probability
+    min_tokens: int = 0              # EOS and stop_token_ids are masked until this many tokens were generated
+    stop_token_ids: list[int] = field(default_factory=list)
+    guided: dict | None = None       # structured output spec (python_backends.engine.guided)
+    grammar: object | None = None    # its compiled grammar (compiled off the loop by the Triton shim)
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether this request changes the logits before sampling (penalties, bias, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
 
 _ids = itertools.count(1)
@@ -86,6 +108,9 @@ class Sequence:
         self.preemptions = 0
         self.num_emitted = 0             # output tokens already handed to the caller
         self.generator: torch.Generator | None = None   # seeded requests: made on the device by sampling.py
+        # per output token, when params.wants_logprobs: (logprob, [(token id, logprob) x top_logprobs])
+        self.token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.guide = None                # guided.Guide of a structured-output request
 
     # ------------------------------------------------------------------ views
     @property

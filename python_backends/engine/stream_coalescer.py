@@ -47,7 +47,8 @@ class StreamCoalescer:
             seen.add(sid)
             held = self._held.pop(sid, None)
             if held is not None:
-                out = StepOutput(out.seq, held.token_ids + out.token_ids, out.finish_reason)
+                lps = None if held.logprobs is None else held.logprobs + (out.logprobs or [])
+                out = StepOutput(out.seq, held.token_ids + out.token_ids, out.finish_reason, lps)
             if out.finished:
                 ready.append(out)
             elif not out.token_ids:

@@ -38,9 +38,40 @@ def _text(value) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
+_FIELDS = {"logprobs": bool, "top_logprobs": int, "presence_penalty": float, "frequency_penalty": float,
+           "repetition_penalty": float, "min_p": float, "min_tokens": int}
+
+
+def _sampling_fields(params: SamplingParams, raw) -> None:
+    """The OpenAI sampling fields from the JSON request parameter `sampling` (the router sends only those that
+    differ from their defaults); types are checked here, bounds by the engine (common.sampling_fields)."""
+    if not raw:
+        return
+    fields = json.loads(raw)
+    if not isinstance(fields, dict):
+        raise ValueError("parameter sampling: must be a JSON object")
+    for name, value in fields.items():
+        if name in _FIELDS:
+            kind = _FIELDS[name]
+            if kind is bool and not isinstance(value, bool) or kind is not bool and (
+                    isinstance(value, bool) or not isinstance(value, (int, float)) or
+                    (kind is int and not isinstance(value, int))):
+                raise ValueError(f"sampling.{name}: must be {kind.__name__}, got {value!r}")
+            setattr(params, name, kind(value))
+        elif name == "logit_bias" and isinstance(value, dict):
+            params.logit_bias = {int(k): float(v) for k, v in value.items()}
+        elif name == "stop_token_ids" and isinstance(value, list):
+            params.stop_token_ids = [int(t) for t in value]
+        elif name == "guided" and isinstance(value, dict):
+            params.guided = value
+        else:
+            raise ValueError(f"sampling.{name}: unknown field or wrong type")
+
+
 class _TritonSink:
-    def __init__(self, sender, trace_context=None, replica_id=""):
+    def __init__(self, sender, loop: EngineLoop, trace_context=None, replica_id=""):
         self.sender = sender
+        self.loop = loop
         self.trace_context, self.replica_id = trace_context, replica_id  # W3C fields from the router, or None
 
     def is_cancelled(self) -> bool:
@@ -53,9 +84,26 @@ class _TritonSink:
             pb_utils.Tensor("finish_reason", np.asarray([out.finish_reason.encode()], dtype=np.object_)),
             pb_utils.Tensor("usage", np.asarray(out.usage, dtype=np.int32)),
         ]
-        response = pb_utils.InferenceResponse(output_tensors=tensors)
+        if out.logprobs is not None:   # asked for (request parameter `sampling`): per id, then k pairs per id
+            k = out.seq.params.top_logprobs
+            tensors += [
+                pb_utils.Tensor("output_logprobs", np.asarray([lp for lp, _ in out.logprobs], dtype=np.float32)),
+                pb_utils.Tensor("top_logprob_ids", np.asarray([t for _, top in out.logprobs for t, _ in top[:k]],
+                                                              dtype=np.int32)),
+                pb_utils.Tensor("top_logprobs", np.asarray([p for _, top in out.logprobs for _, p in top[:k]],
+                                                           dtype=np.float32)),
+            ]
         if out.finish_reason == "error":
-            log.warning("request rejected: %s", out.seq.error)
+            # A failure is an error response with the engine's message, never a quiet finish_reason: the router
+            # answers a refusal (`refused: ` + why, before any token) with a 4xx and retries/resumes the rest.
+            if out.seq.error:
+                message = f"refused: {out.seq.error}"
+            else:
+                message = f"engine step failed: {self.loop.error!r}" if self.loop.error else "engine step failed"
+            log.warning("request %s failed: %s", out.seq.request_id, message)
+            self.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=FINAL)
+            return
+        response = pb_utils.InferenceResponse(output_tensors=tensors)
         self.sender.send(response, flags=FINAL if out.finished else 0)
         if out.finished and self.trace_context:
             record_request(self.trace_context, out.seq, out.finish_reason, self.replica_id)
@@ -120,11 +168,19 @@ class TritonPythonModel:
         rp = json.loads(request.parameters() or "{}")
         params.ignore_eos = bool(rp.get("ignore_eos", False))   # benchmarks: same output length everywhere
         params.seed_offset = int(rp.get("seed_offset", 0) or 0)  # a resumed stream: tokens generated before
+        _sampling_fields(params, rp.get("sampling"))
+        if params.guided is not None:   # compiled here, on Triton's thread, never on the engine loop (cached)
+            try:
+                params.grammar = self.loop.engine.grammars().compile(params.guided)
+            except ValueError as exc:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"refused: {exc}")), flags=FINAL)
+                return
         # `priority` is reserved by tritonclient (it is Triton's own scheduling field), so the router sends
         # `llm_priority`; accept both names.
         priority = int(rp.get("llm_priority", rp.get("priority", 1)))
         trace_context = {k: rp[k] for k in tracing.TRACE_KEYS if isinstance(rp.get(k), str)} or None
-        self.loop.submit(ids.tolist(), params, _TritonSink(sender, trace_context, self.replica_id), priority=priority,
+        self.loop.submit(ids.tolist(), params, _TritonSink(sender, self.loop, trace_context, self.replica_id),
+                         priority=priority,
                          deadline_ms=int(rp.get("deadline_ms", 0) or 0), lora_name=lora,
                          request_id=rp.get("request_id") or request.request_id())
 
