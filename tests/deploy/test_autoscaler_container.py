@@ -73,6 +73,8 @@ def _env(objects: list[dict], container: dict, secret_overrides: dict[str, str])
                for o in objects if o["kind"] == "Secret"}
     env = {}
     for ref in container.get("envFrom", []):
+        if "secretRef" in ref:  # the usage lake's object-store Secret: unset here, the local lake is used
+            continue
         env.update(maps[ref["configMapRef"]["name"]])
     for e in container.get("env", []):
         if "value" in e:

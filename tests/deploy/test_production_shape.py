@@ -27,6 +27,7 @@ NEEDS = {"router": {"FLEET_DB_URL", "FLEET_ADMIN_TOKEN", "FLEET_REPORT_SECRET", 
          "triton": {"FLEET_MODEL", "FLEET_VERSION", "FLEET_TENSOR_PARALLEL", "FLEET_REPLICA_ID", "FLEET_ROUTER_URLS"},
          "state": {"FLEET_REPLICA_ID", "FLEET_ROUTER_URLS", "FLEET_REPORT_SECRET"}}
 WRITES_DATA_DIR = {"router", "autoscaler", "loader", "stage-weights"}
+EXTERNAL_ENV_SECRETS = {"llm-usage-lake"}  # whole-Secret envFrom: the usage lake's URI and object-store credentials
 SECRET_KEYS = {"db-url", "replica-db-url", "admin-token", "viewer-token", "report-secret"}  # base kustomization
 GPU_POD_FORBIDDEN_KEYS = {"admin-token", "viewer-token", "db-url"}
 
@@ -62,6 +63,9 @@ def _env(objects: list[dict], container: dict) -> dict[str, str]:
     out: dict[str, str] = {}
     maps = {m["metadata"]["name"]: m.get("data", {}) for m in _kind(objects, "ConfigMap")}
     for ref in container.get("envFrom", []):
+        if "secretRef" in ref:  # created by the operator (base/kustomization.yaml names it), keys not known here
+            assert ref["secretRef"]["name"] in EXTERNAL_ENV_SECRETS, f"{container['name']}: envFrom {ref}"
+            continue
         name = ref["configMapRef"]["name"]
         assert name in maps, f"{container['name']}: ConfigMap {name} does not exist"
         out.update(maps[name])

@@ -69,14 +69,13 @@ def _billed(store_path, ids: set[str], timeout_s: float) -> dict[str, tuple[int,
     deadline = time.monotonic() + timeout_s
     got: dict[str, tuple[int, int]] = {}
     while time.monotonic() < deadline:
-        if store_path.exists():
-            try:
-                with store.connect(store_path, read_only=True, timeout_s=2) as con:
-                    rows = con.execute("SELECT request_id, count(*), sum(completion_tokens) FROM usage_events "
-                                       "GROUP BY request_id").fetchall()
-                got = {r[0]: (r[1], r[2]) for r in rows if r[0] in ids}
-            except Exception:  # the loader holds the file for a moment
-                pass
+        try:  # the lake beside store_path (the control file itself may not exist yet)
+            with store.connect(store_path, read_only=True, timeout_s=2) as con:
+                rows = con.execute("SELECT request_id, count(*), sum(completion_tokens) FROM usage_events "
+                                   "GROUP BY request_id").fetchall()
+            got = {r[0]: (r[1], r[2]) for r in rows if r[0] in ids}
+        except Exception:  # nothing loaded yet, or the loader holds the control file for a moment
+            pass
         if set(got) == ids:
             return got
         time.sleep(0.5)
