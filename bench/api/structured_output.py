@@ -128,7 +128,7 @@ def main() -> None:
         "loadavg_before": load_before,
         "none_constrained": {"tokens": plain_n, "seconds": round(plain_s, 3), "tok_per_s": round(plain_n / plain_s, 1)},
         "half_constrained": {"tokens": mixed_n, "seconds": round(mixed_s, 3), "tok_per_s": round(mixed_n / mixed_s, 1)},
-        "loadavg_after": os.getloadavg(), "provisional": "machine shared by eight engineers",
+        "loadavg_after": os.getloadavg(),
     }
     result["overhead_tok_per_s_pct"] = round(100 * (1 - result["half_constrained"]["tok_per_s"]
                                                      / result["none_constrained"]["tok_per_s"]), 1)
