@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from python_backends.engine.models.layers import TorchOps, head_norm
-from python_backends.engine.models.llama import Getter, LlamaModel
+from python_backends.engine.models.layers import TorchOps
+from python_backends.engine.models.llama import Getter, LlamaModel, QKNormed
 
 
 class GemmaModel(LlamaModel):
@@ -66,7 +66,7 @@ class Gemma2Model(GemmaModel):
         return self.logits(r, x.index_select(0, batch.logits_rows), ops)
 
 
-class Gemma3Model(Gemma2Model):
+class Gemma3Model(QKNormed, Gemma2Model):
     def layer_types(self) -> list[str]:
         pattern = self.cfg.get("sliding_window_pattern") or self.cfg.get("_sliding_window_pattern") or 6
         return list(self.cfg.get("layer_types")
@@ -80,12 +80,3 @@ class Gemma3Model(Gemma2Model):
         if kind == "sliding_attention":                     # transformers 4: local base, never scaled
             return {"rope_theta": self.cfg.get("rope_local_base_freq", 10000.0)}
         return {k: v for k, v in self.cfg.items() if k in ("rope_theta", "rope_scaling", "rope_parameters")}
-
-    def load_layer(self, p: str, w: dict[str, torch.Tensor], get: Getter, linear: Getter) -> dict[str, Any]:
-        L = super().load_layer(p, w, get, linear)
-        L["q_norm"] = self.norm_weight(get(p + "self_attn.q_norm.weight"))
-        L["k_norm"] = self.norm_weight(get(p + "self_attn.k_norm.weight"))
-        return L
-
-    def qk_norm(self, qkv: torch.Tensor, L: dict[str, Any], ops: TorchOps) -> None:
-        head_norm(qkv, L["q_norm"], L["k_norm"], self.n_heads, self.n_kv, self.eps)

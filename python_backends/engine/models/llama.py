@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from python_backends.engine.models.layers import TorchOps, softcap
+from python_backends.engine.models.layers import TorchOps, head_norm, softcap
 from python_backends.engine.rope import rope_tables
 
 Getter = Callable[[str], torch.Tensor]
@@ -160,3 +160,17 @@ class LlamaModel:
 
     def logits(self, r, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
         return softcap(r.mm(ops.rms_norm(x, self.final_norm), self.lm_head), self.final_softcap)
+
+
+class QKNormed:
+    """Mixin for families with per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3): loads the two norm
+    weights through the family's own norm_weight (Gemma's 1 + w) and applies them in place."""
+
+    def load_layer(self, p: str, w: dict[str, torch.Tensor], get: Getter, linear: Getter) -> dict[str, Any]:
+        L = super().load_layer(p, w, get, linear)
+        L["q_norm"] = self.norm_weight(get(p + "self_attn.q_norm.weight"))
+        L["k_norm"] = self.norm_weight(get(p + "self_attn.k_norm.weight"))
+        return L
+
+    def qk_norm(self, qkv: torch.Tensor, L: dict[str, Any], ops: TorchOps) -> None:
+        head_norm(qkv, L["q_norm"], L["k_norm"], self.n_heads, self.n_kv, self.eps)

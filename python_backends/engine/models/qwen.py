@@ -2,12 +2,7 @@
 k before RoPE, no biases unless attention_bias)."""
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
-from python_backends.engine.models.layers import TorchOps, head_norm
-from python_backends.engine.models.llama import Getter, LlamaModel
+from python_backends.engine.models.llama import LlamaModel, QKNormed
 
 
 class Qwen2Model(LlamaModel):
@@ -22,12 +17,5 @@ class Qwen2Model(LlamaModel):
         return ["sliding_attention" if i >= first else "full_attention" for i in range(self.n_layers)]
 
 
-class Qwen3Model(Qwen2Model):
-    def load_layer(self, p: str, w: dict[str, torch.Tensor], get: Getter, linear: Getter) -> dict[str, Any]:
-        L = super().load_layer(p, w, get, linear)
-        L["q_norm"] = self.norm_weight(get(p + "self_attn.q_norm.weight"))
-        L["k_norm"] = self.norm_weight(get(p + "self_attn.k_norm.weight"))
-        return L
-
-    def qk_norm(self, qkv: torch.Tensor, L: dict[str, Any], ops: TorchOps) -> None:
-        head_norm(qkv, L["q_norm"], L["k_norm"], self.n_heads, self.n_kv, self.eps)
+class Qwen3Model(QKNormed, Qwen2Model):
+    """Qwen2 plus per-head q/k RMSNorm before RoPE (QKNormed)."""
