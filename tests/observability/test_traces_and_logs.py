@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 
 import httpx
 import pytest
@@ -49,6 +50,17 @@ def _router_log(platform) -> list[dict]:
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 
+def _access_lines(platform, key: str, value: str, timeout_s: float = 15.0) -> list[dict]:
+    """The request's access lines. The router writes one when the request has ended, which may be just after the
+    caller has its last byte, so this waits (bounded) for it to reach the log file."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [r for r in _router_log(platform) if r.get("logger") == "fleet.access" and r.get(key) == value]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
 def test_http_stream_keeps_the_callers_trace_and_request_id(platform, otlp_receiver):
     trace_id, span_id, traceparent = _caller_context()
     client_id = f"caller-{secrets.token_hex(4)}"
@@ -68,8 +80,7 @@ def test_http_stream_keeps_the_callers_trace_and_request_id(platform, otlp_recei
     _check_tree(spans, "POST /v1/chat/completions", span_id)
     assert _one(spans, "engine.request").attributes["fleet.request_id"] == request_id
 
-    access = [r for r in _router_log(platform) if r.get("logger") == "fleet.access"
-              and r.get("request_id") == request_id]
+    access = _access_lines(platform, "request_id", request_id)
     assert len(access) == 1, f"one access line per request, got {access}"
     line = access[0]
     assert line["trace_id"] == trace_id and line["client_request_id"] == client_id
@@ -91,7 +102,7 @@ def test_grpc_stream_traceparent_metadata_and_refused_request_access_line(platfo
                       headers={"authorization": f"Bearer {platform.api_key}", "traceparent": traceparent},
                       json={"model": "no-such-model", "prompt": "hi", "max_tokens": 4})
     assert resp.status_code == 404
-    refused = [r for r in _router_log(platform) if r.get("logger") == "fleet.access" and r.get("trace_id") == trace_id]
+    refused = _access_lines(platform, "trace_id", trace_id)
     assert len(refused) == 1 and refused[0]["status"] == "not_found" and refused[0]["error_code"] == "not_found"
 
     # a malformed correlation id is refused, naming the header and what is allowed
