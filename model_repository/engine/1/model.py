@@ -184,9 +184,9 @@ class TritonPythonModel:
             return submit()
 
         def compiled(grammar, problem: str) -> None:   # on the replica's compile thread (or here when cached)
-            if problem:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"refused: {problem}")),
-                            flags=FINAL)
+            if problem:   # "refused: " is final for the router; a busy replica's error is retried elsewhere
+                prefix = "" if problem.startswith("busy:") else "refused: "
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(prefix + problem)), flags=FINAL)
                 return
             params.grammar = grammar
             submit()
