@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -33,6 +34,7 @@ import torch
 from common.sampling_fields import spec_problem
 
 log = logging.getLogger(__name__)
+_XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")   # "[07:27:48] /project/cpp/x.cc:4950: " (a build path)
 CACHE_BYTES = 512 << 20         # compiled grammars kept per replica
 MAX_PENDING_COMPILES = 4        # requests waiting for the compile thread (beyond: refused, retry elsewhere)
 
@@ -114,8 +116,8 @@ class GrammarCache:
                                                             strict_mode=bool(spec.get("strict", True)))
             else:
                 grammar = self.compiler.compile_regex(spec["pattern"])
-        except Exception as exc:   # xgrammar's message names the schema/regex problem
-            raise ValueError(f"response_format: cannot be compiled: {exc}") from exc
+        except Exception as exc:   # xgrammar's message names the schema/regex problem (its log prefix dropped)
+            raise ValueError(f"response_format: cannot be compiled: {_XGR_PREFIX.sub('', str(exc)).strip()}") from exc
         seconds, size = time.monotonic() - started, int(grammar.memory_size_bytes)
         if seconds > 1.0:
             log.info("grammar compiled in %.1f s (%d KB; %s)", seconds, size // 1024, spec["type"])
