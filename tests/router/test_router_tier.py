@@ -243,3 +243,32 @@ def test_placement_counts_the_streams_other_routers_hold_on_a_replica():
     assert b.shared.others("r1") == 6 and a.shared.others("r1") == 0
     assert b.place(replicas, "standard", 32, 32, [], "").replica.replica_id == "r2"
     assert [b.place(replicas[:1], "standard", 32, 32, [], "") is not None for _ in range(3)] == [True, True, False]
+
+
+def test_two_routers_send_a_new_prefix_to_the_same_replica_without_coordination():
+    """Before any report shows a new system prompt's blocks, each router knows only what it sent itself: two
+    routers taking its first requests at once must not send one copy to each replica. Both rank the replicas
+    by the prefix's first block hash (rendezvous) among those under the load cap, so they agree; over many
+    prefixes both replicas get some; once a replica holds the prefix the cost rule (cached blocks) decides."""
+    replicas = [ReplicaInfo(r, "m", "1", "local", "127.0.0.1:1", "http://x", "serving") for r in ("r1", "r2", "r3")]
+    tables = [ReplicaStateTable(), ReplicaStateTable()]
+    for t in tables:
+        for r in replicas:
+            t.apply({"replica_id": r.replica_id, "model": "m", "version": "1", "running": 0, "waiting": 0,
+                     "kv_blocks_total": 100, "kv_blocks_free": 100, "block_size": 16, "full_snapshot": True})
+    a, b = (ReplicaChooser(t) for t in tables)
+    chosen = []
+    for prefix in range(48):
+        hashes = [hash(("system", prefix)), hash(("system", prefix, 1)), hash(("user", prefix))]
+        pa = a.place(replicas, "standard", 48, 8, hashes, "")
+        pb = b.place(replicas, "standard", 48, 8, hashes, "")
+        assert pa.replica.replica_id == pb.replica.replica_id, prefix
+        chosen.append(pa.replica.replica_id)
+        a.release(pa)
+        b.release(pb)
+        # a's next request of the prefix goes where it sent the first (its pending blocks): the cost rule
+        again = a.place(replicas, "standard", 48, 8, hashes[:2] + [hash(("user2", prefix))], "")
+        assert again.replica.replica_id == pa.replica.replica_id and again.cached_tokens == 32
+        a.release(again)
+    assert {r: chosen.count(r) for r in ("r1", "r2", "r3")} == {r: chosen.count(r) for r in set(chosen)} \
+        and len(set(chosen)) == 3
