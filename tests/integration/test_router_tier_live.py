@@ -2,7 +2,11 @@
 (SmolLM2): both take traffic, both get the replicas' state reports, the metrics scraper merges both; requests
 sharing system prompts keep their prefix-cache hits and spread over the replicas as with one router; `kill -9`
 of one under load leaves the other serving every request sent to it, and the dead router's leases (quota,
-concurrency, budget) lapse within LEASE_TTL_S."""
+concurrency, budget) lapse within LEASE_TTL_S.
+
+One stack for the module; the tests run in file order and each one's traffic serves the next: the two-router
+prefix run is also the traffic the scraper test counts, and the one-router baseline runs on the router the
+kill -9 test leaves (a test run alone restarts router 1 where it needs it)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -76,20 +80,6 @@ def _requests_by_router(stack) -> list[float]:
     return out
 
 
-def test_both_routers_take_traffic_and_the_scraper_merges_them(stack):
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda _: _complete(stack, 4), range(24)))
-    assert all(status == 200 for status, _ in answers), answers
-    per_router = _requests_by_router(stack)
-    assert sum(per_router) >= 24 and min(per_router) > 0, per_router   # SO_REUSEPORT spread the connections
-    merged = fleet_metrics.merge_routers(read_routers(stack.settings.router_internal_urls))
-    total = sum(v for name, labels, _le, v in merged if name == "fleet_router_requests_total"
-                and json.loads(labels).get("status") == "ok")
-    assert total == sum(per_router)
-    kv = [labels for name, labels, _le, _v in merged if name == "fleet_router_replica_kv_utilisation"]
-    assert len(kv) == len(set(kv)) == 2     # each replica's gauge once, not once per router
-
-
 SYSTEMS = [f"<|im_start|>system\nYou are assistant number {n} of the {team} team. Answer in one short sentence, "
            f"name the place, stay friendly, avoid lists, never mention prices or dates, and say plainly when you do "
            f"not know the answer to a question about {topic}.<|im_end|>\n"
@@ -125,25 +115,35 @@ def _engine_requests(stack) -> list[int]:
     return out
 
 
-def test_two_routers_keep_prefix_affinity_and_spread_like_one(stack):
-    two_hit, two_spread = _prefix_run(stack, "two")
-    processes.stop_pid(stack.second.pid)                   # the same load through one router, new prompts
-    one_hit, one_spread = _prefix_run(stack, "one")
-    _start_second(stack)
-    assert sum(two_spread) == sum(one_spread) == 64
-    assert max(two_spread) <= 0.6 * 64, two_spread
-    assert one_hit > 0.3 and two_hit > 0.3                  # the system prompts are cached at all
-    if two_hit < one_hit - 0.05:
-        # Known gap (docs/router.md, Several routers): measured 53.5-54.6 % vs 63.8-64.9 % with one router. A
-        # router learns where another sent a new prefix only from the next state report (~200 ms), and the
-        # bounded-load cap (each router's view of the load) sends the second copy of a prefix elsewhere.
-        pytest.xfail(f"two routers' prefix-cache hit rate {two_hit:.1%} is more than 5 points below one "
-                     f"router's {one_hit:.1%}")
+def _two_router_run(stack) -> tuple[float, list[int]]:
+    """The 64-request prefix run through both routers, once per module (the first test's traffic; the
+    one-router baseline, after the kill -9 test, compares with it)."""
+    if getattr(stack, "two_run", None) is None:
+        if stack.second.poll() is not None:       # this module's tests were run out of order: restart router 1
+            _start_second(stack)
+        stack.two_run = _prefix_run(stack, "two")
+    return stack.two_run
+
+
+def test_both_routers_take_traffic_spread_like_one_and_the_scraper_merges_them(stack):
+    """The prefix run through two routers: SO_REUSEPORT spread the connections over both, placement spread
+    the streams over both replicas, and the scraper's merge counts every router's requests once."""
+    two_hit, two_spread = _two_router_run(stack)
+    assert sum(two_spread) == 64 and max(two_spread) <= 0.6 * 64, two_spread
+    assert two_hit > 0.3                                   # the system prompts are cached at all
+    per_router = _requests_by_router(stack)
+    assert sum(per_router) >= 64 and min(per_router) > 0, per_router
+    merged = fleet_metrics.merge_routers(read_routers(stack.settings.router_internal_urls))
+    total = sum(v for name, labels, _le, v in merged if name == "fleet_router_requests_total"
+                and json.loads(labels).get("status") == "ok")
+    assert total == sum(per_router)
+    kv = [labels for name, labels, _le, _v in merged if name == "fleet_router_replica_kv_utilisation"]
+    assert len(kv) == len(set(kv)) == 2     # each replica's gauge once, not once per router
 
 
 def test_kill_9_of_one_router_under_load_leaves_the_other_serving_and_its_leases_lapse(stack):
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        load = [pool.submit(_complete, stack, 48) for _ in range(12)]
+        load = [pool.submit(_complete, stack, 32) for _ in range(12)]
         wait_until(lambda: _inflight(stack, 1) > 0, 30, "streams on the second router")
         os.kill(stack.second.pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -151,7 +151,7 @@ def test_kill_9_of_one_router_under_load_leaves_the_other_serving_and_its_leases
     failed = [a for a in answers if a[0] != 200]
     assert all(a[0] == -1 for a in failed), failed            # the dead router's streams: a broken connection
     assert len(failed) < len(answers)                         # the other router's streams finished
-    after = [_complete(stack, 4) for _ in range(8)]           # new connections reach the live router only
+    after = [_complete(stack, 2) for _ in range(6)]           # new connections reach the live router only
     assert all(status == 200 for status, _ in after), after
 
     def leases_of_dead_router() -> int:
@@ -169,3 +169,15 @@ def _inflight(stack, index: int) -> float:
 
 def _callers(session) -> list[str]:
     return [c.name for c in queries.list_callers(session)]
+
+
+def test_two_routers_keep_the_prefix_cache_hit_rate_of_one(stack):
+    """The same load through the one router left (after the kill -9 test; new prompts' user parts): the two
+    routers' hit rate is within 5 points of it. Both routers send a new system prompt to the replica its first
+    block hash ranks highest (replica_choice.rendezvous), so they do not split it before reports show it."""
+    two_hit, _ = _two_router_run(stack)
+    if stack.second.poll() is None:
+        processes.stop_pid(stack.second.pid)
+    one_hit, one_spread = _prefix_run(stack, "one")
+    assert sum(one_spread) == 64 and one_hit > 0.3
+    assert two_hit >= one_hit - 0.05, (two_hit, one_hit)

@@ -6,6 +6,7 @@ counts the streams of other routers from the replicas' reports."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -13,7 +14,7 @@ import pytest
 
 from registry import budgets, quotas
 from registry.db import migrate, session_scope
-from registry.schema import BudgetSpend
+from registry.schema import BudgetSpend, KeyBudgetSpend
 from router_service.admission import AdmissionQueue
 from router_service.budgets import PriceBook, settled_cost
 from router_service.errors import RouterError
@@ -109,6 +110,35 @@ def test_a_team_five_requests_short_of_its_budget_cannot_overshoot_it_from_two_r
     later = asyncio.run(_burst(routers, _caller(), 4, budget))
     assert sum(a == "ok" for a in later.values()) == room
     assert all("budget exhausted" in a.message for a in later.values() if a != "ok")
+
+
+def test_a_key_five_requests_short_of_its_own_budget_cannot_overshoot_it_from_two_routers(routers, db_url):
+    """A key's own budget (besides its team's) takes the same path: reserved at admission under the caller's
+    row lock on every router, settled to use; the refusal names the key; the team's budget is charged too."""
+    caller = dataclasses.replace(_caller(), budget=BudgetInfo("k", 5 * 100, "day", "tokens", 0.5, True))
+    team = BudgetInfo("t", amount=10**6, period="day", unit="tokens", soft_share=0.9, enforce=True)
+    answers = asyncio.run(_burst(routers, caller, 64, team))          # 100 tokens each: five fit
+    admitted = [k for k, a in answers.items() if a == "ok"]
+    refused = [a for a in answers.values() if a != "ok"]
+    assert len(admitted) == 5 and len(refused) == 59
+    assert all(e.code == "resource_exhausted" and "budget exhausted: key 'k'" in e.message
+               and "daily budget of 500 tokens" in e.message for e in refused)
+
+    async def settle():   # each used 60 + 10 tokens: 150 of the 500 come back
+        await asyncio.gather(*(r.settle_request(k, 60, 0, 10) for k in admitted for r in routers))
+    asyncio.run(settle())
+    period = budgets.period_key("day")
+    with session_scope(db_url) as s:
+        key = budgets.spend_rows(s, scope=budgets.KEY)
+        assert s.get(KeyBudgetSpend, ("k", period)).spent == 350.0
+        assert budgets.reserved(s, "k", period, scope=budgets.KEY) == 0.0
+        assert s.get(BudgetSpend, ("t", period)).spent == 350.0       # the team's budget counted them too
+    assert key == {} or key["k"]["spent"] == 350.0
+    later = asyncio.run(_burst(routers, caller, 3, team))
+    assert sum(a == "ok" for a in later.values()) == 1                # 150 left: one more worst case
+    warned = asyncio.run(routers[0].admit_caller(dataclasses.replace(caller, budget=BudgetInfo(
+        "k", 10**4, "day", "tokens", 0.01, True)), team, "w-key", "m", 60, 40))
+    assert "key 'k' has used or reserved" in warned
 
 
 def test_the_soft_share_warns_and_a_token_budget_counts_tokens(routers):
