@@ -80,19 +80,24 @@ def _requests_by_router(stack) -> list[float]:
     return out
 
 
-SYSTEMS = [f"<|im_start|>system\nYou are assistant number {n} of the {team} team. Answer in one short sentence, "
-           f"name the place, stay friendly, avoid lists, never mention prices or dates, and say plainly when you do "
-           f"not know the answer to a question about {topic}.<|im_end|>\n"
-           for n, (team, topic) in enumerate([("travel", "cities"), ("finance", "banks"), ("support", "printers"),
-                                              ("legal", "contracts"), ("sales", "regions"), ("hr", "holidays"),
-                                              ("ops", "servers"), ("data", "tables")])]
+def _systems(tag: str) -> list[str]:
+    """8 system prompts, new for each run (the tag leads, in the first KV block): a run never finds another
+    run's prefixes cached, so both runs start cold."""
+    return [f"<|im_start|>system\n[{tag} run] You are assistant number {n} of the {team} team. Answer in one short "
+            f"sentence, name the place, stay friendly, avoid lists, never mention prices or dates, and say plainly "
+            f"when you do not know the answer to a question about {topic}.<|im_end|>\n"
+            for n, (team, topic) in enumerate([("travel", "cities"), ("finance", "banks"), ("support", "printers"),
+                                               ("legal", "contracts"), ("sales", "regions"), ("hr", "holidays"),
+                                               ("ops", "servers"), ("data", "tables")])]
 
 
 def _prefix_run(stack, tag: str) -> tuple[float, list[int]]:
     """64 requests over 8 system prompts (8 each, mixed), 16 at a time, each on a new connection: the prompt
     tokens' cache-hit share, and how many engine requests each replica served."""
+    systems = _systems(tag)
+
     def one(i: int) -> tuple[int, int]:
-        text = SYSTEMS[i % 8] + f"<|im_start|>user\n{tag} question {i}: where is it?<|im_end|>\n<|im_start|>assistant\n"
+        text = systems[i % 8] + f"<|im_start|>user\n{tag} question {i}: where is it?<|im_end|>\n<|im_start|>assistant\n"
         with httpx.Client(timeout=120) as client:
             resp = client.post(f"{stack.http_url}/v1/completions", headers={"authorization": f"Bearer {stack.api_key}"},
                                json={"model": MODEL, "prompt": text, "max_tokens": 1, "temperature": 0})
@@ -172,7 +177,7 @@ def _callers(session) -> list[str]:
 
 
 def test_two_routers_keep_the_prefix_cache_hit_rate_of_one(stack):
-    """The same load through the one router left (after the kill -9 test; new prompts' user parts): the two
+    """The same load through the one router left (after the kill -9 test; new system prompts): the two
     routers' hit rate is within 5 points of it. Both routers send a new system prompt to the replica its first
     block hash ranks highest (replica_choice.rendezvous), so they do not split it before reports show it."""
     two_hit, _ = _two_router_run(stack)
