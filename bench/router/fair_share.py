@@ -55,9 +55,9 @@ class Pool:
 
 
 async def team(queues: list[AdmissionQueue], pool: Pool, name: str, every_s: float, n: int, waits: list[float],
-               seed: int = 0, on_first: float | None = None) -> None:
+               seed: int = 0, on_first: float | None = None) -> float:
     """`n` requests of team `name`, one every `every_s`, each on a router drawn at random (router 0 with
-    probability `on_first`, default even); `waits` gets each one's queue wait."""
+    probability `on_first`, default even); `waits` gets each one's queue wait. Returns when the last was sent."""
     rng = random.Random(f"{name}-{seed}")   # stream lengths vary, so slots free at random times
 
     async def one(q: AdmissionQueue):
@@ -76,7 +76,9 @@ async def team(queues: list[AdmissionQueue], pool: Pool, name: str, every_s: flo
         i = 0 if rng.random() < first or len(queues) == 1 else rng.randrange(1, len(queues))
         tasks.append(asyncio.create_task(one(queues[i])))
         await asyncio.sleep(every_s)
+    sent = time.monotonic()
     await asyncio.gather(*tasks)
+    return sent
 
 
 def p95(xs: list[float]) -> float:
@@ -97,15 +99,20 @@ def ttft_ratio(routers: int, seed: int = 0, a_on_first: float | None = None) -> 
 
 
 def jain_backlogged(routers: int, seed: int = 0, a_on_first: float | None = None) -> tuple[float, list[int]]:
-    """Jain index of two backlogged teams' token service rates over the window both are served."""
-    async def run() -> Pool:
+    """Jain index of two backlogged teams' token service rates while both keep sending (both send faster than
+    the pool serves them, A at 4x B's rate): from the start until the first team's last request is sent.
+
+    Not "until B's last request is served": after the teams stop sending, each router drains its own queue
+    at the rate of the slots it happens to hold (a router refills the slots its own streams free before
+    another router's reports show them), so a team's last requests finish on the slower router; that drain
+    is an end effect of a finite burst, not the share of a sustained backlog."""
+    async def run() -> tuple[Pool, float]:
         queues, pool = [AdmissionQueue("m:1", 4096) for _ in range(routers)], Pool(slots=4, s_per_token=0.0005)
-        await asyncio.gather(team(queues, pool, "a", 0.0005, 200, [], seed, a_on_first),
-                             team(queues, pool, "b", 0.005, 20, [], seed))
-        return pool
-    pool = asyncio.run(run())
-    end_b = max(t for t, name, _ in pool.served if name == "b")
-    window = [(name, n) for t, name, n in pool.served if t <= end_b]
+        sent = await asyncio.gather(team(queues, pool, "a", 0.00125, 240, [], seed, a_on_first),
+                                    team(queues, pool, "b", 0.005, 60, [], seed))
+        return pool, min(sent)
+    pool, end = asyncio.run(run())
+    window = [(name, n) for t, name, n in pool.served if t <= end]
     rates = [sum(n for name, n in window if name == x) for x in ("a", "b")]
     return sum(rates) ** 2 / (2 * sum(r * r for r in rates)), rates
 
