@@ -185,4 +185,6 @@ def test_two_routers_keep_the_prefix_cache_hit_rate_of_one(stack):
         processes.stop_pid(stack.second.pid)
     one_hit, one_spread = _prefix_run(stack, "one")
     assert sum(one_spread) == 64 and one_hit > 0.3
+    print(f"prefix-cache hit rate: two routers {two_hit:.1%} (streams per replica {stack.two_run[1]}), "
+          f"one router {one_hit:.1%} ({one_spread})")
     assert two_hit >= one_hit - 0.05, (two_hit, one_hit)
