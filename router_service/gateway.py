@@ -6,7 +6,9 @@ tier and adapter rights are checked in `visibility.resolve_model`. This module h
 
 Quotas: at admission a request reserves prompt + max_tokens tokens and one concurrency slot in a lease row
 (registry/quotas.py); when it ends the reservation is replaced by what it really used (prompt + completion).
-Several routers share the rows, a restart forgets nothing, and a dead router's leases lapse.
+Several routers share the rows, a restart forgets nothing, and a dead router's leases lapse. The same lease
+carries the caller's shared request and token rates and the worst case reserved against its team's budget and
+its key's own (registry/quotas.py), settled to what the request used.
 """
 from __future__ import annotations
 
