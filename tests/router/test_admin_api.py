@@ -7,7 +7,7 @@ from registry.db import session_scope
 from registry.admin_tokens import set_admin_token
 from router_service.core import Router
 from router_service.http_frontend import create_app
-from router_service.registry_cache import RegistryCache
+from router_service.registry_cache import BudgetInfo, RegistryCache
 
 OPERATOR, VIEWER = "op-token", "view-token"
 
@@ -92,6 +92,9 @@ def test_a_keys_own_budget_is_set_listed_audited_and_deleted(client):
     r = http.put(f"/admin/callers/{caller}/budget", json=body, headers=_auth(OPERATOR))
     assert r.status_code == 200 and r.json()["caller"] == caller and r.json()["changed"] is True
     assert http.put(f"/admin/callers/{caller}/budget", json=body, headers=_auth(OPERATOR)).json()["changed"] is False
+    # every router's snapshot carries it with the caller (what QuotaLedger.admit_caller reserves against)
+    assert RegistryCache(db_url).caller_for_key("k-search").budget == BudgetInfo(caller, 5000, "day", "tokens", 0.5,
+                                                                                   True)
     audit = http.get("/admin/audit", headers=_auth(VIEWER)).json()["entries"]
     assert [(e["action"], e["target"]) for e in audit if "budget" in e["action"]] == [("set_key_budget", caller)]
     listed = http.get("/admin/budgets", headers=_auth(VIEWER)).json()
