@@ -22,7 +22,7 @@ import pytest
 from common import processes
 from common.processes import wait_until
 from common.settings import REPO_ROOT
-from registry import queries, quotas
+from registry import budgets, queries, quotas
 from registry.db import session_scope
 from router_service.gateway import _today
 from tests.integration.router_stack import RouterStack
@@ -144,6 +144,40 @@ def test_both_routers_take_traffic_spread_like_one_and_the_scraper_merges_them(s
     assert total == sum(per_router)
     kv = [labels for name, labels, _le, _v in merged if name == "fleet_router_replica_kv_utilisation"]
     assert len(kv) == len(set(kv)) == 2     # each replica's gauge once, not once per router
+
+
+def test_a_keys_own_budget_holds_across_both_routers(stack):
+    """A key budget of four requests' worst case (tokens), set through the admin API: of 8 concurrent requests
+    over both routers exactly four are admitted (each uses its worst case: ignore_eos), the rest get the budget
+    error naming the key; the key's spend after settlement is the four requests' tokens."""
+    with session_scope(stack.settings.db_url) as s:
+        caller = next(c.name for c in queries.list_callers(s) if c.api_key_hash == queries.hash_api_key(stack.api_key))
+    status, _ = _complete(stack, 4)
+    assert status == 200
+    with httpx.Client(timeout=120) as client:   # the prompt's tokens, for the worst case
+        prompt_tokens = client.post(f"{stack.http_url}/v1/completions", headers={"authorization": f"Bearer {stack.api_key}"},
+                                    json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 1}
+                                    ).json()["usage"]["prompt_tokens"]
+    worst = prompt_tokens + 4
+    admin = {"authorization": f"Bearer {stack.admin_token}"}
+    put = httpx.put(f"{stack.http_url}/admin/callers/{caller}/budget", headers=admin, timeout=10,
+                    json={"monthly_amount": 4 * worst, "period": "day", "unit": "tokens"})
+    assert put.status_code == 200, put.text
+    try:
+        time.sleep(1.5)    # both routers reload the registry within 1 s
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: _complete(stack, 4), range(8)))
+        assert sum(a[0] == 200 for a in answers) == 4, answers
+        assert all(a[0] == 429 and f"budget exhausted: key '{caller}'" in a[1] for a in answers if a[0] != 200), answers
+
+        def key_spend() -> dict:
+            with session_scope(stack.settings.db_url) as s:
+                return budgets.spend_rows(s, scope=budgets.KEY)[caller]
+        wait_until(lambda: key_spend()["reserved"] == 0, 10, "the key's reservations to settle")
+        assert key_spend()["spent"] == 4 * worst
+    finally:
+        assert httpx.delete(f"{stack.http_url}/admin/callers/{caller}/budget", headers=admin, timeout=10).status_code == 200
+        time.sleep(1.5)
 
 
 def test_kill_9_of_one_router_under_load_leaves_the_other_serving_and_its_leases_lapse(stack):
