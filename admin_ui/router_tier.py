@@ -11,15 +11,18 @@ shared reports, so any router gives the same ones; in-flight and queue counts ar
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
+import duckdb
 import httpx
 import pandas as pd
 from prometheus_client.parser import text_string_to_metric_families
 
 from usage import fleet_metrics as fm
 
+log = logging.getLogger(__name__)
 COLUMNS = ["router", "url", "up", "inflight", "queued", "admitted_per_s", "error"]
 READ_TIMEOUT_S = 1.0   # a live table: a router that does not answer within this is shown down
 
@@ -57,8 +60,13 @@ def admitted_per_s(store_path: Path, routers: int, now: float | None = None, scr
 
 
 def routers_frame(urls: list[str], store_path: Path, now: float | None = None, scrape_s: float = 10.0) -> pd.DataFrame:
-    """One row per router: index, its internal URL, and the columns above (None where not known)."""
-    admitted = admitted_per_s(store_path, len(urls), now, scrape_s)
+    """One row per router: index, its internal URL, and the columns above (None where not known: admitted/s
+    when the usage store cannot be read now, so the routers' up/down still shows)."""
+    try:
+        admitted = admitted_per_s(store_path, len(urls), now, scrape_s)
+    except (duckdb.Error, OSError) as exc:
+        log.warning("admitted/s per router: the usage store %s cannot be read: %s", store_path, exc)
+        admitted = {}
     rows = [{"router": i, "url": url, **read_router(url), "admitted_per_s": admitted.get(str(i))}
             for i, url in enumerate(urls)]
     return pd.DataFrame(rows, columns=COLUMNS)
