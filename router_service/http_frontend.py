@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -226,9 +225,10 @@ async def _until_disconnected(request: Request, awaitable):
 
 
 def fork(req: GenerateRequest, i: int) -> GenerateRequest:
-    """Choice i (> 0) of an `n` request: its own id and seed (seed + i when the caller set one), no prompt billing."""
+    """Choice i (> 0) of an `n` request: id `<id>-<i>` (its usage event's key), its own seed (seed + i when the
+    caller set one), no prompt billing."""
     seed = (req.seed + i) % 2**64 if req.seed is not None else None
-    return dataclasses.replace(req, request_id="req-" + uuid.uuid4().hex, seed=seed, bill_prompt=False)
+    return dataclasses.replace(req, request_id=f"{req.request_id}-{i}", seed=seed, bill_prompt=False)
 
 
 async def _source(first, stream):

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from common.sampling_fields import spec_problem
 from router_service.errors import invalid
 from router_service.kserve_codec import deadline_from_param, tier_from_param
 from router_service.request import MAX_CHAT_MESSAGES, MAX_N, GenerateRequest
@@ -261,6 +262,9 @@ class ChatBody(_Common):
         if forced is not None and self.response_format is not None and self.response_format.type != "text":
             raise invalid("response_format", "cannot be combined with tool_choice 'required' or a named function "
                                              "(the call's arguments are already constrained)")
+        problem = spec_problem(forced) if forced is not None else ""
+        if problem:   # the forced call's grammar is the tools' schemas: name them, not response_format
+            raise invalid("tools", problem.split(": ", 1)[1])
         msgs = [m.for_template() for m in self.messages]
         req = self.to_request(chat_messages=msgs, prompt_text="\n".join(m["content"] for m in msgs))
         if tools and self.tool_choice != "none":
