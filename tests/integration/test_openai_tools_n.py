@@ -13,7 +13,7 @@ from common.processes import wait_until
 MODEL = "smollm2-135m"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                    "additionalProperties": False}}}
 TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The current time in a time zone",
