@@ -76,7 +76,7 @@ async def _merge(sources: list[AsyncIterator]) -> AsyncIterator[tuple[int, objec
         try:
             async for item in src:
                 await queue.put((i, item))
-        except RouterError as exc:
+        except Exception as exc:   # re-raised by the reader: a failed choice fails the response, never hangs it
             await queue.put((i, exc))
         await queue.put((i, _DONE))
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
@@ -86,7 +86,7 @@ async def _merge(sources: list[AsyncIterator]) -> AsyncIterator[tuple[int, objec
             i, item = await queue.get()
             if item is _DONE:
                 live -= 1
-            elif isinstance(item, RouterError):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield i, item
