@@ -27,7 +27,7 @@ from router_service.http_body import parse_json, read_body
 from router_service.metrics import prometheus_page
 from router_service.openai_response import choice, sse, usage
 from router_service.openai_schema import ChatBody, CompletionBody
-from router_service.request import TIERS, Finished, GenerateRequest, Prepared
+from router_service.request import MAX_N, TIERS, Finished, GenerateRequest, Prepared
 from router_service.tracing import FASTAPI_TELEMETRY, TracingMiddleware
 from router_service.visibility import visible_models
 
@@ -158,9 +158,13 @@ def create_app(router: Router) -> FastAPI:
 
     @app.post("/v1/requests/{request_id}/cancel")
     async def cancel_request(request_id: str, request: Request):
-        """Cancel one of the caller's own in-flight requests by id (the `id` of its completion)."""
+        """Cancel one of the caller's own in-flight requests by id (the `id` of its completion), with all its
+        `n` choices (router ids `<id>-<i>`, see fork)."""
         caller = router.authenticate(_bearer(request))
         router.cancel(request_id, caller)
+        for i in range(1, MAX_N):
+            with contextlib.suppress(RouterError):   # choices already finished, or an n smaller than i
+                router.cancel(f"{request_id}-{i}", caller)
         return {"id": request_id, "cancelled": True}
 
     app.include_router(admin_router(router))
