@@ -7,6 +7,8 @@ The model's tokenizer decides the special tokens: a completion prompt gets what 
 Llama/Gemma-style tokenizers, nothing for SmolLM2), a chat prompt what its chat template writes. Only the
 template may produce control tokens: text in a message that spells one (`<|im_end|>`) is tokenized as
 plain text, so a caller cannot forge a system turn (OpenAI's API and tiktoken's default do the same).
+Tools and tool-call history: rendered by the template when it reads `tools`, else written into the messages
+as text (router_service/tools.py); what a template renders outside the contents must not spell a control token.
 """
 from __future__ import annotations
 
