@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from common.sampling_fields import spec_problem
 from router_service.errors import invalid
 from router_service.kserve_codec import deadline_from_param, tier_from_param
-from router_service.request import MAX_CHAT_MESSAGES, MAX_N, GenerateRequest
+from router_service.request import MAX_CHAT_MESSAGES, MAX_N, MAX_SESSION_CHARS, GenerateRequest
 from router_service.tool_output import ToolPlan
 from router_service.tools import (MAX_TOOL_CALL_ID_CHARS, MAX_TOOLS, NamedToolChoice, ToolCall, ToolChoice, ToolDef,
                                   check_tools, forced_spec)
@@ -83,7 +83,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_SESSION_CHARS)  # the rollout stickiness key when no session
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -194,7 +194,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] = Field("", max_length=MAX_CONTENT_PARTS)
-    name: str | None = None
+    name: str | None = Field(None, max_length=64)   # OpenAI's own bound
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)   # assistant turns that called tools
     tool_call_id: str | None = Field(None, max_length=MAX_TOOL_CALL_ID_CHARS)   # a tool turn: which call it answers
 
