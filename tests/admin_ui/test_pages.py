@@ -78,7 +78,7 @@ def test_fleet_lists_each_routers_own_view_with_admitted_per_s_from_the_scraper(
     url, path, now = f"http://127.0.0.1:{stack.port}", stack.data_dir / "usage.duckdb", time.time()
     scrape_once(url, path, 86400, now=now - 20)
     for _ in range(30):
-        metrics.REQUESTS.labels(MODEL, "standard", "ok", "stop").inc()
+        metrics.REQUESTS.labels(MODEL, "standard", "ok").inc()
     scrape_once(url, path, 86400, now=now - 10)
     at = page("fleet")
     assert not at.exception, at.exception
