@@ -69,7 +69,7 @@ def registry_callers(db_url: str) -> Callable[[], set[str]]:
     return load
 
 
-_row = operator.itemgetter(*store.EVENT_COLUMNS)  # event fields in table column order, at C speed
+_row = operator.itemgetter(*store.LOADED_COLUMNS)  # event fields in table column order, at C speed
 
 
 def _offsets(records) -> dict[TopicPartition, OffsetAndMetadata]:

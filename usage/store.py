@@ -32,10 +32,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from usage import price_tables, rollups
-from usage.lake import (EVENT_FIELDS, EVENTS, EVENTS_SCHEMA, REJECTS, REJECTS_SCHEMA, ROLLUPS, Lake, append,
+from usage.lake import (EVENT_FIELDS, EVENTS, EVENTS_SCHEMA, OPTIONAL_EVENT_FIELDS, REJECTS, REJECTS_SCHEMA, ROLLUPS, Lake, append,
                         lake_for, register_views, txn_version)
 
-EVENT_COLUMNS = [name for name, _ in EVENT_FIELDS]
+EVENT_COLUMNS = [name for name, _ in EVENT_FIELDS]  # what every event row gives
+LOADED_COLUMNS = EVENT_COLUMNS + [name for name, _ in OPTIONAL_EVENT_FIELDS]  # + the nullable ones, in order
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def _import_legacy(con: duckdb.DuckDBPyConnection, lake: Lake) -> None:
             frame = con.execute(f"SELECT * FROM {name} ORDER BY {key} LIMIT {LEGACY_CHUNK} "
                                 f"OFFSET {chunk * LEGACY_CHUNK}").df()
             if name == "usage_events":
-                rows = events_table(frame[EVENT_COLUMNS], writer="legacy", seq=chunk)
+                rows = events_table(frame, writer="legacy", seq=chunk)
                 if chunk > done:
                     append(lake, EVENTS, rows, txn=(app, chunk))
                 append(lake, ROLLUPS, rollups.rollup(rows), txn=(app, chunk))  # chunk > rolled here
@@ -151,11 +152,18 @@ def events_table(rows_or_frame, writer: str = "direct", seq: int = 0, loaded_at:
     """Event rows (tuples in EVENT_COLUMNS order, or a DataFrame with those columns) as an Arrow table of the
     lake's events schema. Raises pyarrow.ArrowInvalid / ValueError for a value the store cannot hold
     (e.g. a ts whose day is past year 9999)."""
+    fields = EVENT_FIELDS + OPTIONAL_EVENT_FIELDS
     if isinstance(rows_or_frame, pd.DataFrame):
-        cols = {c: pa.array(rows_or_frame[c].tolist(), type=t) for c, t in EVENT_FIELDS}
+        # an optional column missing from the frame (or NaN in it) is null
+        frame = rows_or_frame
+        cols = {c: pa.array([None if v is None or v != v else v for v in frame[c].tolist()] if c in frame
+                            else [None] * len(frame), type=t) if (c, t) in OPTIONAL_EVENT_FIELDS
+                else pa.array(frame[c].tolist(), type=t) for c, t in fields}
     else:
-        columns = list(zip(*rows_or_frame)) if rows_or_frame else [[] for _ in EVENT_COLUMNS]
-        cols = {c: pa.array(list(columns[i]), type=t) for i, (c, t) in enumerate(EVENT_FIELDS)}
+        # tuples in LOADED_COLUMNS order; shorter ones (EVENT_COLUMNS only) leave the optional columns null
+        columns = list(zip(*rows_or_frame)) if rows_or_frame else []
+        cols = {c: pa.array(list(columns[i]) if i < len(columns) else [None] * len(rows_or_frame), type=t)
+                for i, (c, t) in enumerate(fields)}
     n = len(cols["ts"])
     # day = UTC date of ts; the cast refuses (ArrowInvalid) a ts whose milliseconds overflow int64.
     ms = pc.cast(pc.floor(pc.multiply(cols["ts"], 1000.0)), pa.int64())
