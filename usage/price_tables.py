@@ -113,12 +113,17 @@ def register(con, lake: Lake) -> None:
     # Small tables (models x versions x days): read whole, cast to plain strings (delta-rs hands string_view,
     # which pyarrow cannot compare when DuckDB pushes a filter down).
     con.register("lake_prices", prices.to_pyarrow_table().cast(PRICES_SCHEMA) if prices else PRICES_SCHEMA.empty_table())
-    con.register("gpu_hours", gpu.to_pyarrow_table().cast(GPU_HOURS_SCHEMA) if gpu else GPU_HOURS_SCHEMA.empty_table())
+    con.register("lake_gpu_hours", gpu.to_pyarrow_table().cast(GPU_HOURS_SCHEMA) if gpu else GPU_HOURS_SCHEMA.empty_table())
     defaults = pa.table({"model": [p[0] for p in DEFAULT_PRICES], "prefill_per_m": [p[1] for p in DEFAULT_PRICES],
                          "cached_per_m": [p[2] for p in DEFAULT_PRICES], "decode_per_m": [p[3] for p in DEFAULT_PRICES],
                          "updated_at": pa.array([None] * len(DEFAULT_PRICES), PRICES_SCHEMA.field("updated_at").type)},
                         schema=PRICES_SCHEMA)
     con.register("default_prices", defaults)
-    con.execute("CREATE OR REPLACE TEMP VIEW prices AS SELECT * FROM lake_prices UNION ALL "
+    # One row per key whatever happened: two writers creating a table at once both append their row, so the
+    # latest price wins and GPU-hours of one key add up (which is what `add_gpu_hours` means).
+    con.execute("CREATE OR REPLACE TEMP VIEW prices AS SELECT * FROM (SELECT * FROM lake_prices QUALIFY "
+                "row_number() OVER (PARTITION BY model ORDER BY updated_at DESC) = 1) UNION ALL "
                 "SELECT * FROM default_prices WHERE model NOT IN (SELECT model FROM lake_prices)")
+    con.execute("CREATE OR REPLACE TEMP VIEW gpu_hours AS SELECT day, model, version, sum(gpu_hours) AS gpu_hours "
+                "FROM lake_gpu_hours GROUP BY ALL")
 

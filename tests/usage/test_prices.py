@@ -84,3 +84,22 @@ def test_a_control_file_with_prices_moves_them_into_the_lake(tmp_path):
     prices = store.list_prices(path).set_index("model")
     assert prices.loc["m", "prefill_per_m"] == 7 and prices.loc["*", "prefill_per_m"] == 0.5
     assert chargeback.gpu_hours_by_team(path, since="2026-01-01", until="2026-01-03")["gpu_hours"].sum() == 5
+
+
+def test_concurrent_gpu_hour_adds_all_count(tmp_path):
+    """Two writers adding GPU-hours to the same key at once (the scraper and an operator): each MERGE that
+    loses the commit race is retried on the new snapshot, so no addition is lost."""
+    import threading
+    lake = Lake(str(tmp_path / "l.lake"))
+    price_tables.add_gpu_hours(lake, [("2026-01-02", "m", "1", 0.0)])
+
+    def add() -> None:
+        for _ in range(10):
+            price_tables.add_gpu_hours(lake, [("2026-01-02", "m", "1", 0.5)])
+    threads = [threading.Thread(target=add) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with store.connect(tmp_path / "none.duckdb", read_only=True, lake=lake) as con:
+        assert con.execute("SELECT sum(gpu_hours) FROM gpu_hours").fetchall()[0][0] == pytest.approx(10.0)
