@@ -292,8 +292,14 @@ def loader_rebalance(settings: Settings, work_dir: Path, before: int = 2000, aft
         return _result("loader_rebalance", {f"{prefix}-{i}" for i in range(before + after)}, store_path, prefix,
                        a_exit=a_exit, a_rows=_rows_by(store_path, "a"))
     finally:
+        for proc in procs:  # not process-group leaders: stop them by their own pid
+            proc.terminate()
         for proc in procs:
-            stop_pid(proc.pid)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         producer.close(timeout_s=1)
         broker.stop()
 
