@@ -112,8 +112,10 @@ def register(con, lake: Lake) -> None:
     gpu = open_table(lake, GPU_HOURS)
     # Small tables (models x versions x days): read whole, cast to plain strings (delta-rs hands string_view,
     # which pyarrow cannot compare when DuckDB pushes a filter down).
-    con.register("lake_prices", prices.to_pyarrow_table().cast(PRICES_SCHEMA) if prices else PRICES_SCHEMA.empty_table())
-    con.register("lake_gpu_hours", gpu.to_pyarrow_table().cast(GPU_HOURS_SCHEMA) if gpu else GPU_HOURS_SCHEMA.empty_table())
+    con.register("lake_prices", prices.to_pyarrow_table().cast(PRICES_SCHEMA) if prices
+                 else PRICES_SCHEMA.empty_table())
+    con.register("lake_gpu_hours", gpu.to_pyarrow_table().cast(GPU_HOURS_SCHEMA) if gpu
+                 else GPU_HOURS_SCHEMA.empty_table())
     defaults = pa.table({"model": [p[0] for p in DEFAULT_PRICES], "prefill_per_m": [p[1] for p in DEFAULT_PRICES],
                          "cached_per_m": [p[2] for p in DEFAULT_PRICES], "decode_per_m": [p[3] for p in DEFAULT_PRICES],
                          "updated_at": pa.array([None] * len(DEFAULT_PRICES), PRICES_SCHEMA.field("updated_at").type)},

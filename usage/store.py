@@ -15,7 +15,8 @@ reader queries one namespace:
   (the autoscaler / `fleet usage gpu-hours`); chargeback allocates them to teams.
 
 Locking: the lake never locks readers out (each query reads one committed snapshot). The control file is
-DuckDB's one-writer-or-many-readers file, now written only by the metrics scraper, so nobody keeps it open: writers and readers open it per call and retry while the other holds it.
+DuckDB's one-writer-or-many-readers file, now written only by the metrics scraper, so nobody keeps it
+open: writers and readers open it per call and retry while the other holds it.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from usage import price_tables, rollups
-from usage.lake import (EVENT_FIELDS, EVENTS, EVENTS_SCHEMA, OPTIONAL_EVENT_FIELDS, REJECTS, REJECTS_SCHEMA, ROLLUPS, Lake, append,
-                        lake_for, register_views, txn_version)
+from usage.lake import (EVENT_FIELDS, EVENTS, EVENTS_SCHEMA, OPTIONAL_EVENT_FIELDS, REJECTS, REJECTS_SCHEMA, ROLLUPS,
+                        Lake, append, lake_for, register_views, txn_version)
 
 EVENT_COLUMNS = [name for name, _ in EVENT_FIELDS]  # what every event row gives
 LOADED_COLUMNS = EVENT_COLUMNS + [name for name, _ in OPTIONAL_EVENT_FIELDS]  # + the nullable ones, in order

@@ -39,9 +39,9 @@ def test_a_reader_without_the_control_file_sees_the_operators_prices(tmp_path, m
     with store.connect(writer_store, lake=lake) as con:
         store.insert_events(con, pd.DataFrame([make_event(f"r{i}").model_dump() for i in range(10)]))
     # the operator sets prices on one box (the CLI, through the lake given by FLEET_USAGE_LAKE_URI)
-    subprocess.run([sys.executable, "-c", "from fleet.cli import main; main()", "usage", "prices", "--store", str(writer_store), "--set",
-                    "smollm2-135m", "--prefill", "2", "--cached", "1", "--decode", "4"], env=env, check=True,
-                   capture_output=True)
+    cli = [sys.executable, "-c", "from fleet.cli import main; main()"]
+    subprocess.run([*cli, "usage", "prices", "--store", str(writer_store), "--set", "smollm2-135m",
+                    "--prefill", "2", "--cached", "1", "--decode", "4"], env=env, check=True, capture_output=True)
     today = dt.datetime.now(dt.UTC).date()
     price_tables.add_gpu_hours(lake, [(today, "smollm2-135m", "1", 1.5), (today, "smollm2-135m", "1", 0.5)])
     price_tables.add_gpu_hours(lake, [(str(today), "smollm2-135m", "1", 1.0)])
