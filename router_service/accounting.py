@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from common.logs import current_trace_ids
 from router_service import metrics, tracing
 from router_service.request import Finished, Prepared
 from usage.events import UsageEvent
@@ -51,7 +52,8 @@ def _event(p: Prepared, finish: Finished | None, status: str, reason: str, compl
         cached_prompt_tokens=finish.cached_prompt_tokens if finish and req.bill_prompt else 0,
         completion_tokens=completion_tokens,
         ttft_ms=round((first_token_at - p.arrived) * 1000, 3) if first_token_at else 0.0,
-        duration_ms=round((now - p.arrived) * 1000, 3), finish_reason=reason, status=status)
+        duration_ms=round((now - p.arrived) * 1000, 3), finish_reason=reason, status=status,
+        trace_id=current_trace_ids()[0] or None)  # the request's span (the caller's trace id when given)
 
 
 def account(producer, p: Prepared, finish: Finished | None, status: str, completion_tokens: int,

@@ -23,6 +23,9 @@ from usage.loader import add_load_arguments, run_from_args
 
 VIEWS = ("cost", "tokens", "gpu-hours", "top-callers", "rejects")
 
+STORE_HELP = ("DuckDB control file; the lake (events, rollups, prices, GPU-hours) is FLEET_USAGE_LAKE_URI or "
+              "<store>.lake beside it (default: %(default)s)")
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     settings = load_settings()
@@ -68,7 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     report.add_argument("--by-day", action="store_true", help="gpu-hours view: one row per team and day")
     report.add_argument("--top", type=int, default=10, help="top-callers view: how many (default: %(default)s)")
     report.add_argument("--format", choices=("table", "csv", "json"), default="table", help="(default: %(default)s)")
-    report.add_argument("--store", type=Path, default=settings.usage_db_path, help="DuckDB file (default: %(default)s)")
+    report.add_argument("--store", type=Path, default=settings.usage_db_path, help=STORE_HELP)
     report.set_defaults(handler=cmd_report)
 
     prices = sub.add_parser("prices", help="list or set per-model token prices",
@@ -79,18 +82,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prices.add_argument("--cached", type=float, help="price per 1M cached-prefix tokens (usually a discount)")
     prices.add_argument("--decode", type=float, help="price per 1M completion tokens")
     prices.add_argument("--format", choices=("table", "csv", "json"), default="table")
-    prices.add_argument("--store", type=Path, default=settings.usage_db_path, help="DuckDB file (default: %(default)s)")
+    prices.add_argument("--store", type=Path, default=settings.usage_db_path, help=STORE_HELP)
     prices.set_defaults(handler=cmd_prices)
 
     gpu = sub.add_parser("gpu-hours", help="record GPU-hours spent on a model version on a day",
                          description="Adds (or with --replace sets) the GPU-hours of one (day, model, version) in "
-                                     "the store's gpu_hours table; chargeback splits them over teams by token work.")
+                                     "the lake's gpu_hours table; chargeback splits them over teams by token work.")
     gpu.add_argument("day", type=_date, help="YYYY-MM-DD (UTC)")
     gpu.add_argument("model")
     gpu.add_argument("version")
     gpu.add_argument("hours", type=float)
     gpu.add_argument("--replace", action="store_true", help="set instead of add")
-    gpu.add_argument("--store", type=Path, default=settings.usage_db_path, help="DuckDB file (default: %(default)s)")
+    gpu.add_argument("--store", type=Path, default=settings.usage_db_path, help=STORE_HELP)
     gpu.set_defaults(handler=cmd_gpu_hours)
 
     maintain = sub.add_parser("maintain", help="retention and compaction of the usage lake (the loader also runs "
@@ -108,7 +111,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export = sub.add_parser("export", help="export the store to Parquet (partitioned by day)",
                             description="Writes usage_events as Parquet partitioned by day, plus prices and gpu_hours.")
     export.add_argument("--out", type=Path, default=settings.data_dir / "usage-parquet", help="(default: %(default)s)")
-    export.add_argument("--store", type=Path, default=settings.usage_db_path, help="DuckDB file (default: %(default)s)")
+    export.add_argument("--store", type=Path, default=settings.usage_db_path, help=STORE_HELP)
     export.set_defaults(handler=cmd_export)
 
 
@@ -149,10 +152,14 @@ def cmd_prices(args: argparse.Namespace, settings: Settings) -> int:
     if args.set:
         current = store.list_prices(args.store).set_index("model")
         base = current.loc[args.set] if args.set in current.index else current.loc["*"]
-        store.set_price(args.store, args.set,
-                        base["prefill_per_m"] if args.prefill is None else args.prefill,
-                        base["cached_per_m"] if args.cached is None else args.cached,
-                        base["decode_per_m"] if args.decode is None else args.decode)
+        try:
+            store.set_price(args.store, args.set,
+                            base["prefill_per_m"] if args.prefill is None else args.prefill,
+                            base["cached_per_m"] if args.cached is None else args.cached,
+                            base["decode_per_m"] if args.decode is None else args.decode)
+        except ValueError as exc:  # names the field and what is allowed
+            Console(stderr=True).print(f"[red]price not set:[/red] {exc}")
+            return 2
     emit_frame(store.list_prices(args.store), args.format, "prices per 1M tokens")
     return 0
 

@@ -34,6 +34,9 @@ class UsageEvent(BaseModel):
     duration_ms: float = Field(ge=0)
     finish_reason: FinishReason
     status: Literal["ok", "error", "cancelled"] = "ok"
+    # The request's W3C trace id (32 lower-case hex digits; the caller's when it sent a traceparent), so a
+    # usage row joins to its trace; None when the request had none (events from routers before this field).
+    trace_id: str | None = Field(None, pattern=r"^[0-9a-f]{32}$")
 
     def key(self) -> bytes:
         return self.caller.encode()

@@ -7,6 +7,8 @@ one fault, then drains and counts what reached the store:
   broker means an empty log).
 - `loader_kill`: the loader runs as its own process and is SIGKILLed repeatedly mid-batch.
 - `router_kill`: the emitting process is SIGKILLed with events in its spool, then restarted.
+- `loader_rebalance`: two loader processes; one is killed between its lake write and its offset commit and
+  the other takes its partitions over.
 Each returns a dict with the counts (emitted, stored, missing, duplicates) and timings. Used by
 tests/usage (short outages) and bench/usage/faults.py (the 30 s outage of the issue).
 `python -m usage.faultcheck emit ...` is the emitting child process of `router_kill`.
@@ -108,18 +110,19 @@ class Emitter:
         return self.count
 
 
-def loader_cmd(bootstrap: str, store_path: Path, topic: str, group: str) -> list[str]:
+def loader_cmd(bootstrap: str, store_path: Path, topic: str, group: str, writer_id: str = "") -> list[str]:
     return [sys.executable, "-m", "usage.loader", "--bootstrap", bootstrap, "--store", str(store_path),
-            "--topic", topic, "--dlq-topic", f"{topic}.dlq", "--group", group, "--no-check-callers"]
+            "--topic", topic, "--dlq-topic", f"{topic}.dlq", "--group", group, "--no-check-callers",
+            "--writer-id", writer_id]
 
 
 def start_loader(bootstrap: str, store_path: Path, topic: str, group: str, log: Path,
-                 fault: str | None = None) -> subprocess.Popen:
+                 fault: str | None = None, writer_id: str = "") -> subprocess.Popen:
     env = dict(os.environ)
     env.pop("FLEET_USAGE_FAULT", None)
     if fault:
         env["FLEET_USAGE_FAULT"] = fault
-    return subprocess.Popen(loader_cmd(bootstrap, store_path, topic, group), env=env, stdin=subprocess.DEVNULL,
+    return subprocess.Popen(loader_cmd(bootstrap, store_path, topic, group, writer_id), env=env, stdin=subprocess.DEVNULL,
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT)
 
 
@@ -257,6 +260,83 @@ def loader_kill(settings: Settings, work_dir: Path, kills: int = 3, interval_s: 
         emitter._stop.set()
         producer.close(timeout_s=1)
         broker.stop()
+
+
+def loader_rebalance(settings: Settings, work_dir: Path, before: int = 2000, after: int = 2000,
+                     timeout_s: float = 90.0) -> dict:
+    """Two loader processes in one group. B loads alone first (its window is seeded then); A joins and takes
+    half the partitions, writes its first batch and is killed before committing its offsets (after_write);
+    B is given A's partitions and re-reads that batch: it must recognise every event A stored."""
+    broker = Broker(settings, work_dir)
+    topic, prefix = f"usage-rebal-{os.getpid()}", "rebal"
+    store_path, group = work_dir / "rebal.duckdb", f"g-usage-rebal-{os.getpid()}"
+    producer = UsageProducer(broker.bootstrap, work_dir / "spool-rebal", topic=topic).start()
+    procs: list[subprocess.Popen] = []
+
+    def emit(lo: int, hi: int) -> None:
+        for i in range(lo, hi):  # 64 callers (the message key) spread over every partition
+            producer.emit(make_event(f"{prefix}-{i}", caller=f"caller-{i % 64}"))
+        producer.flush(30)
+
+    try:
+        procs.append(start_loader(broker.bootstrap, store_path, topic, group, work_dir / "loader-b.log", writer_id="b"))
+        emit(0, before)
+        wait_stored(store_path, prefix, before, timeout_s)
+        log_a = work_dir / "loader-a.log"
+        procs.append(start_loader(broker.bootstrap, store_path, topic, group, log_a, fault="after_write",
+                                  writer_id="a"))
+        _wait_for_line(log_a, "partitions assigned", timeout_s)
+        emit(before, before + after)
+        a_exit = procs[1].wait(timeout=timeout_s)  # killed by its fault right after its first write
+        _wait_committed(broker.bootstrap, group, topic, timeout_s)  # B has taken over and caught up
+        return _result("loader_rebalance", {f"{prefix}-{i}" for i in range(before + after)}, store_path, prefix,
+                       a_exit=a_exit, a_rows=_rows_by(store_path, "a"))
+    finally:
+        for proc in procs:  # not process-group leaders: stop them by their own pid
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        producer.close(timeout_s=1)
+        broker.stop()
+
+
+def _wait_for_line(log: Path, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in (log.read_text(errors="replace") if log.exists() else ""):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{log} has no line with {text!r} after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def _wait_committed(bootstrap: str, group: str, topic: str, timeout_s: float) -> None:
+    """Until the group's committed offsets reach the end of every partition of the topic."""
+    from kafka import KafkaAdminClient, KafkaConsumer
+    from kafka.structs import TopicPartition
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="faultcheck-admin")
+    probe = KafkaConsumer(bootstrap_servers=bootstrap, client_id="faultcheck-probe")
+    try:
+        parts = [TopicPartition(topic, p) for p in sorted(probe.partitions_for_topic(topic) or ())]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ends = probe.end_offsets(parts)
+            done = admin.list_group_offsets({group: parts}).get(group, {})
+            if all(done.get(tp) is not None and done[tp].offset >= ends[tp] for tp in parts):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"group {group} did not catch up: {done} of {ends}")
+            time.sleep(0.5)
+    finally:
+        probe.close()
+        admin.close()
+
+
+def _rows_by(store_path: Path, writer: str) -> int:
+    with store.connect(store_path, read_only=True) as con:
+        return con.execute("SELECT count(*) FROM usage_events WHERE load_writer = ?", [writer]).fetchall()[0][0]
 
 
 def router_kill(settings: Settings, work_dir: Path, rate: float = 2000.0, run_s: float = 3.0,

@@ -224,15 +224,14 @@ def serving_replicas(rows: list[tuple]) -> list[tuple[str, str, str]]:
     return out
 
 
-def add_replica_hours(con: duckdb.DuckDBPyConnection, ts: float, seconds: float, replicas: list[tuple[str, str, str]],
-                      gpus_per_replica: dict[tuple[str, str], int]) -> None:
-    """Add `seconds` of every reporting replica, times its GPUs, to the store's gpu_hours table (the GPU-hours
-    chargeback splits over teams; hours no request used become the '(idle)' share)."""
+def replica_hours(ts: float, seconds: float, replicas: list[tuple[str, str, str]],
+                  gpus_per_replica: dict[tuple[str, str], int]) -> list[tuple[str, str, str, float]]:
+    """(day, model, version, GPU-hours) for `seconds` of every reporting replica, times its GPUs: what the
+    scraper adds to the lake's gpu_hours (usage/price_tables.py), which chargeback splits over teams
+    (hours no request used become the '(idle)' share)."""
     day = time.strftime("%Y-%m-%d", time.gmtime(ts))
     hours: dict[tuple[str, str], float] = {}
     for _replica, model, version in replicas:
         key = (model, version)
         hours[key] = hours.get(key, 0.0) + seconds / 3600 * gpus_per_replica.get(key, 1)
-    for (model, version), h in hours.items():
-        con.execute("INSERT INTO gpu_hours VALUES (CAST(? AS DATE), ?, ?, ?) ON CONFLICT (day, model, version) "
-                    "DO UPDATE SET gpu_hours = gpu_hours.gpu_hours + excluded.gpu_hours", [day, model, version, h])
+    return [(day, model, version, h) for (model, version), h in hours.items()]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka import ConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
@@ -29,12 +29,13 @@ def make_producer(bootstrap_servers: str, client_id: str) -> KafkaProducer:
     )
 
 
-def make_consumer(bootstrap_servers: str, topic: str, group_id: str, max_poll_records: int) -> KafkaConsumer:
+def make_consumer(bootstrap_servers: str, topic: str, group_id: str, max_poll_records: int,
+                  listener: ConsumerRebalanceListener | None = None) -> KafkaConsumer:
     """A manual-commit group consumer. session/heartbeat timeouts are short because tansu (and small
     real clusters) otherwise make each group join wait ~23 s; metadata is refreshed every 5 s so a topic
-    re-created after a broker restart is picked up quickly."""
-    return KafkaConsumer(
-        topic, bootstrap_servers=bootstrap_servers, group_id=group_id, client_id=f"{group_id}-consumer",
+    re-created after a broker restart is picked up quickly. `listener` hears of partitions assigned and revoked."""
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap_servers, group_id=group_id, client_id=f"{group_id}-consumer",
         enable_auto_commit=False, auto_offset_reset="earliest",
         session_timeout_ms=6000, heartbeat_interval_ms=1000, max_poll_interval_ms=300_000,
         max_poll_records=max_poll_records, fetch_max_bytes=64 * 1024 * 1024,
@@ -42,6 +43,8 @@ def make_consumer(bootstrap_servers: str, topic: str, group_id: str, max_poll_re
         request_timeout_ms=30_000, reconnect_backoff_ms=100, reconnect_backoff_max_ms=1000,
         metadata_max_age_ms=5000,
     )
+    consumer.subscribe([topic], listener=listener)
+    return consumer
 
 
 def ensure_topics(bootstrap_servers: str, topics: list[str], partitions: int = DEFAULT_PARTITIONS) -> None:

@@ -4,7 +4,7 @@ S3-compatible server), read by DuckDB through Arrow datasets.
 
 Tables under the base URI:
 - `events/`: one row per stored usage event, partitioned by `day` (UTC date of ts); besides the
-  `UsageEvent` columns each row carries `load_writer`, `load_seq` (the loader batch that wrote it) and
+  `UsageEvent` columns (trace_id null for events from before it existed) each row carries `load_writer`, `load_seq` (the loader batch that wrote it) and
   `loaded_at` (unix s), which the loader uses for exactly-once and de-duplication.
 - `rollups_hourly/`: partial hourly aggregates (see usage/rollups.py), partitioned by `day`; readers sum.
 - `rejects/`: events the loader refused, with the reason.
@@ -34,7 +34,9 @@ EVENT_FIELDS = [
     ("region", pa.string()), ("replica_id", pa.string()), ("prompt_tokens", pa.int64()),
     ("cached_prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()), ("ttft_ms", pa.float64()),
     ("duration_ms", pa.float64()), ("finish_reason", pa.string()), ("status", pa.string())]
-EVENTS_SCHEMA = pa.schema(EVENT_FIELDS + [("day", pa.date32()), ("load_writer", pa.string()),
+# Nullable event columns added after the first tables were written (`append` evolves an older table).
+OPTIONAL_EVENT_FIELDS = [("trace_id", pa.string())]
+EVENTS_SCHEMA = pa.schema(EVENT_FIELDS + OPTIONAL_EVENT_FIELDS + [("day", pa.date32()), ("load_writer", pa.string()),
                                           ("load_seq", pa.int64()), ("loaded_at", pa.float64())])
 ROLLUP_DIMS = ["team", "caller", "model", "version", "adapter", "priority", "region"]
 ROLLUP_SUMS = ["requests", "errors", "cancelled", "prefill_tokens", "cached_tokens", "decode_tokens",
@@ -133,9 +135,11 @@ def append(lake: Lake, table: str, data: pa.Table, txn: tuple[str, int] | None =
     written in the same commit, so whoever reads the version back knows the data is in."""
     props = CommitProperties(custom_metadata=metadata,
                              app_transactions=[Transaction(app_id=txn[0], version=txn[1])] if txn else None)
+    # schema_mode="merge": a table written before a column was added (trace_id) gains it in this same
+    # commit (older files read it as null); columns are matched by name, so the order may differ.
     write_deltalake(lake.table_uri(table), data.cast(SCHEMAS[table]), mode="append",
                     partition_by=PARTITIONS[table] or None, storage_options=lake.storage_options or None,
-                    commit_properties=props)
+                    commit_properties=props, schema_mode="merge" if table == EVENTS else None)
 
 
 def dataset(lake: Lake, table: str):

@@ -14,6 +14,9 @@ Exactly once without a primary key:
   committed; then the window is re-seeded from the events and rejects loaded in the last window.
 - Offsets are committed to Kafka only after the writes, so a crash re-delivers at most the last two
   batches, and the window turns that redelivery (and any producer resend) into no-ops.
+- Several workers: when partitions move, the old owner's writes land first and the new owner re-seeds its
+  window from the lake (usage/rebalance.py), so a batch written but not acknowledged by the old owner is
+  recognised by the new one.
 
 Bad events (invalid JSON, schema violations, negative tokens, cached > prompt tokens, a ts or count the
 store cannot hold, unknown caller when a caller set is given, or anything else the store refuses) go to the
@@ -37,7 +40,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
@@ -50,6 +53,7 @@ from usage import loader_metrics, recovery, retention, rollups, store
 from usage.dedup import DEFAULT_WINDOW_S, RecentIds
 from usage.events import UsageEvent
 from usage.kafka_io import close_producer, ensure_topics, make_consumer, make_producer
+from usage.rebalance import InFlight, Rebalance
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,7 @@ def registry_callers(db_url: str) -> Callable[[], set[str]]:
     return load
 
 
-_row = operator.itemgetter(*store.EVENT_COLUMNS)  # event fields in table column order, at C speed
+_row = operator.itemgetter(*store.LOADED_COLUMNS)  # event fields in table column order, at C speed
 
 
 def _offsets(records) -> dict[TopicPartition, OffsetAndMetadata]:
@@ -116,6 +120,7 @@ class UsageLoader:
         self.timings = {"validate_s": 0.0, "write_s": 0.0}  # wall time per phase, for the benchmark
         self.started_at, self.last_stored_at, self.lag, self.lag_checked_at = time.time(), 0.0, 0, 0.0  # metrics
         self.metrics_db_url = ""  # registry of the budgets, when the loader's metrics are served
+        self.rebalance = Rebalance(self.writer)  # partitions moving between workers (usage/rebalance.py)
 
     # ---- one batch ------------------------------------------------------------------------------
     def run_once(self, max_wait_s: float = 1.0) -> int:
@@ -131,6 +136,7 @@ class UsageLoader:
         consumer = self._ensure_consumer()
         records: list = []
         deadline = time.monotonic() + max_wait_s
+        generation = self.rebalance.generation
         while len(records) < self.batch_max:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -139,6 +145,9 @@ class UsageLoader:
             timeout = left if not records else min(left, 0.05)
             polled = consumer.poll(timeout_ms=int(timeout * 1000), max_records=self.batch_max - len(records))
             got = [r for part in polled.values() for r in part]
+            if self.rebalance.generation != generation:  # partitions moved: drop what we no longer own
+                generation = self.rebalance.generation
+                records = Rebalance.keep_assigned(consumer, records)
             if not got and records:
                 break
             records.extend(got)
@@ -150,7 +159,9 @@ class UsageLoader:
         rows, rejects, origins = validated
         t0 = time.perf_counter()
         try:
-            if self._seq is None:
+            if self._seq is None or self.rebalance.reseed.is_set():
+                # after start, an error, or new partitions: the window from what the lake holds now
+                self.rebalance.reseed.clear()
                 self.recover()
             rows = [r for r in rows if r[0] not in self.recent]
             rejects = [r for r in rejects if r[0] not in self.recent]
@@ -291,24 +302,20 @@ class UsageLoader:
         stop_event = stop_event or threading.Event()
         last_report = time.monotonic()
         writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="usage-writer")
-        inflight: tuple[Future, dict] | None = None
         while not stop_event.is_set():
             try:
-                records = self._poll(max_wait_s)
-                if inflight is not None:
-                    inflight[0].result()  # re-raises a failed write: its offsets are never committed
-                    self._ensure_consumer().commit(inflight[1])
-                    inflight = None
-                    self.maybe_maintain()
+                records = self._poll(max_wait_s)  # a rebalance in here waits for the in-flight write
+                self._commit_inflight()
                 if records:
                     validated = self._validate(records)
-                    inflight = (writer.submit(self._store, validated, len(records)), _offsets(records))
+                    self.rebalance.inflight = InFlight(writer.submit(self._store, validated, len(records)),
+                                                       _offsets(records))
             except Exception as exc:
                 self.stats["errors"] += 1
                 log.warning("usage loader batch failed (%s: %s); reconnecting", type(exc).__name__, exc)
-                if inflight is not None:
-                    inflight[0].exception()  # let the write finish before the next one starts
-                    inflight = None
+                if self.rebalance.inflight is not None:
+                    self.rebalance.inflight.future.exception()  # let the write finish before the next one starts
+                    self.rebalance.inflight = None
                 self._close_clients()
                 stop_event.wait(1.0)
             loader_metrics.refresh_lag(self, time.monotonic())
@@ -317,13 +324,23 @@ class UsageLoader:
                 log.info("usage loader: %s", self.stats)
                 last_report = time.monotonic()
         try:
-            if inflight is not None:
-                inflight[0].result()
-                self._ensure_consumer().commit(inflight[1])
+            self._commit_inflight()
         except Exception as exc:  # stopping anyway: the batch is re-delivered and de-duplicated
             log.warning("usage loader: last batch not committed (%s)", exc)
         writer.shutdown(wait=True)
         self.close()
+
+    def _commit_inflight(self) -> None:
+        """Wait for the in-flight batch's write (re-raising its failure: its offsets are then never committed)
+        and commit its offsets, less those of partitions a rebalance took away meanwhile."""
+        flight = self.rebalance.inflight
+        if flight is None:
+            return
+        flight.future.result()
+        if flight.offsets:
+            self._ensure_consumer().commit(flight.offsets)
+        self.rebalance.inflight = None
+        self.maybe_maintain()
 
     def close(self) -> None:
         self._close_clients()
@@ -331,7 +348,8 @@ class UsageLoader:
     def _ensure_consumer(self):
         if self._consumer is None:
             ensure_topics(self.bootstrap_servers, [self.topic, self.dlq_topic])
-            self._consumer = make_consumer(self.bootstrap_servers, self.topic, self.group_id, self.batch_max)
+            self._consumer = make_consumer(self.bootstrap_servers, self.topic, self.group_id, self.batch_max,
+                                           listener=self.rebalance)
         return self._consumer
 
     def _close_clients(self) -> None:

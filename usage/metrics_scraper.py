@@ -21,7 +21,8 @@ import httpx
 
 from registry import queries
 from registry.db import session_scope
-from usage import auto_rollback, fleet_metrics, store
+from usage import auto_rollback, fleet_metrics, price_tables, store
+from usage.lake import lake_for
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,10 @@ def scrape_once(router_url: str | list[str], store_path: Path, retention_s: floa
     now = now if now is not None else time.time()
     with store.connect(store_path) as con:
         kept = fleet_metrics.record(con, now, rows, retention_s)
-        if replica_seconds > 0:
-            fleet_metrics.add_replica_hours(con, now, replica_seconds, fleet_metrics.serving_replicas(rows),
-                                            gpus_per_replica or {})
-        return kept
+    if replica_seconds > 0:  # into the lake, where every pod's chargeback reads them
+        price_tables.add_gpu_hours(lake_for(store_path), fleet_metrics.replica_hours(
+            now, replica_seconds, fleet_metrics.serving_replicas(rows), gpus_per_replica or {}))
+    return kept
 
 
 def gpus_per_replica(db_url: str) -> dict[tuple[str, str], int]:

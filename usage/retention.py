@@ -26,6 +26,7 @@ from deltalake import write_deltalake
 
 from usage import rollups
 from usage.lake import EVENTS, ROLLUPS, ROLLUPS_SCHEMA, Lake, open_table
+from usage.price_tables import GPU_HOURS, PRICES
 
 RAW_RETENTION_DAYS = 35
 ROLLUP_RETENTION_DAYS = 397
@@ -69,6 +70,12 @@ def maintain(lake: Lake, today: dt.date | None = None, raw_days: int = RAW_RETEN
         if compact_files and _files_per_day(table).get(str(today), 0) > 1:
             table.optimize.compact(partition_filters=[("day", "=", str(today))])  # partial rows stay partial
         table.vacuum(retention_hours=vacuum_hours, enforce_retention_duration=False, dry_run=False)
+    for name in (PRICES, GPU_HOURS):  # small tables that every edit (a MERGE) rewrites: drop the old files
+        small = open_table(lake, name)
+        if small is not None:
+            if compact_files:
+                small.optimize.compact()
+            small.vacuum(retention_hours=vacuum_hours, enforce_retention_duration=False, dry_run=False)
     return done
 
 

@@ -1,5 +1,6 @@
-"""The usage store: Delta tables for the events and their rollups (usage/lake.py), plus a small DuckDB
-control file for the tables people edit (prices, gpu_hours, and router_metrics of usage/fleet_metrics.py).
+"""The usage store: Delta tables for the events, their rollups, prices and GPU-hours (usage/lake.py,
+usage/price_tables.py), plus a small DuckDB control file for the router_metrics history of
+usage/fleet_metrics.py (written and read where the metrics scraper runs).
 
 `connect()` opens the control file and registers the lake's tables on the same DuckDB connection, so every
 reader queries one namespace:
@@ -9,13 +10,13 @@ reader queries one namespace:
 - `usage_rollups`: hourly partial aggregates (usage/rollups.py); chargeback and the forecaster read these.
 - `usage_rejects`: events the loader refused (schema, negative tokens, unknown caller), with the reason.
 - `prices`: per-model prices in currency units per 1M tokens for prefill, cached-prefix and decode tokens;
-  model '*' is the fallback for models without their own row.
+  model '*' is the fallback for models without their own row (operator rows in the lake, else defaults).
 - `gpu_hours`: GPU-hours the fleet spent per (day, model, version), written by whoever runs replicas
   (the autoscaler / `fleet usage gpu-hours`); chargeback allocates them to teams.
 
 Locking: the lake never locks readers out (each query reads one committed snapshot). The control file is
-DuckDB's one-writer-or-many-readers file, now written only by price / GPU-hour edits and the metrics
-scraper, so nobody keeps it open: writers and readers open it per call and retry while the other holds it.
+DuckDB's one-writer-or-many-readers file, now written only by the metrics scraper, so nobody keeps it
+open: writers and readers open it per call and retry while the other holds it.
 """
 from __future__ import annotations
 
@@ -31,37 +32,16 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from usage import rollups
-from usage.lake import (EVENT_FIELDS, EVENTS, EVENTS_SCHEMA, REJECTS, REJECTS_SCHEMA, ROLLUPS, Lake, append,
-                        lake_for, register_views, txn_version)
+from usage import price_tables, rollups
+from usage.lake import (EVENT_FIELDS, EVENTS, EVENTS_SCHEMA, OPTIONAL_EVENT_FIELDS, REJECTS, REJECTS_SCHEMA, ROLLUPS,
+                        Lake, append, lake_for, register_views, txn_version)
 
-EVENT_COLUMNS = [name for name, _ in EVENT_FIELDS]
+EVENT_COLUMNS = [name for name, _ in EVENT_FIELDS]  # what every event row gives
+LOADED_COLUMNS = EVENT_COLUMNS + [name for name, _ in OPTIONAL_EVENT_FIELDS]  # + the nullable ones, in order
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PRICES = [
-    # model, prefill, cached, decode (per 1M tokens). Cached prefix tokens are billed at 10 % of prefill:
-    # they cost a KV-cache hit, not compute.
-    ("smollm2-135m", 0.05, 0.005, 0.20),
-    ("*", 0.50, 0.05, 1.50),
-]
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS prices (
-    model VARCHAR PRIMARY KEY,
-    prefill_per_m DOUBLE NOT NULL,
-    cached_per_m DOUBLE NOT NULL,
-    decode_per_m DOUBLE NOT NULL,
-    updated_at TIMESTAMP NOT NULL DEFAULT current_timestamp
-);
-CREATE TABLE IF NOT EXISTS gpu_hours (
-    day DATE NOT NULL,
-    model VARCHAR NOT NULL,
-    version VARCHAR NOT NULL,
-    gpu_hours DOUBLE NOT NULL,
-    PRIMARY KEY (day, model, version)
-);
-"""
+DEFAULT_PRICES = price_tables.DEFAULT_PRICES  # where the budgets' price book starts
 
 LOCK_RETRY_S = 30.0
 
@@ -84,8 +64,7 @@ def connect(store_path: Path, read_only: bool = False, timeout_s: float = LOCK_R
         # plus the default prices in memory.
         con = duckdb.connect()
         try:
-            _ensure_schema(con)
-            register_views(con, lake)
+            _register(con, lake)
             _lakes[id(con)] = lake
             yield con
         finally:
@@ -107,9 +86,8 @@ def connect(store_path: Path, read_only: bool = False, timeout_s: float = LOCK_R
     _lakes[id(con)] = lake
     try:
         if not read_only:
-            _ensure_schema(con)
             _import_legacy(con, lake)
-        register_views(con, lake)
+        _register(con, lake)
         yield con
     finally:
         _lakes.pop(id(con), None)
@@ -124,13 +102,10 @@ def lake_of(con: duckdb.DuckDBPyConnection) -> Lake:
     return _lakes[id(con)]
 
 
-def _ensure_schema(con: duckdb.DuckDBPyConnection) -> None:
-    # fetchall, not fetchone: DuckDB 2 refuses other work on a connection with an unfinished result.
-    if con.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = 'prices'").fetchall()[0][0]:
-        return
-    con.execute(SCHEMA)
-    con.executemany("INSERT OR IGNORE INTO prices (model, prefill_per_m, cached_per_m, decode_per_m) "
-                    "VALUES (?, ?, ?, ?)", DEFAULT_PRICES)
+def _register(con: duckdb.DuckDBPyConnection, lake: Lake) -> None:
+    """Every usage table on the connection: events, rollups, rejects, prices, gpu_hours (all in the lake)."""
+    register_views(con, lake)
+    price_tables.register(con, lake)
 
 
 LEGACY_CHUNK = 1_000_000
@@ -140,8 +115,17 @@ def _import_legacy(con: duckdb.DuckDBPyConnection, lake: Lake) -> None:
     """A control file from before the lake holds `usage_events` / `usage_rejects` tables (which the lake's
     views would hide): move their rows into the lake once, then drop them. Each chunk is one commit carrying
     the application transaction ("legacy-import:<table>", chunk), so a crash mid-way resumes without repeats."""
-    legacy = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE NOT temporary "
-                                        "AND table_name IN ('usage_events', 'usage_rejects')").fetchall()}
+    legacy = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE NOT temporary AND table_name "
+                                        "IN ('usage_events', 'usage_rejects', 'prices', 'gpu_hours')").fetchall()}
+    for name in ("prices", "gpu_hours"):  # before the lake held them (prices set on one box only)
+        if name in legacy:
+            rows = con.execute(f"SELECT * FROM {name}").to_arrow_table()
+            if name == "prices":  # the old column was a naive UTC TIMESTAMP
+                rows = rows.set_column(4, "updated_at", rows["updated_at"].cast(pa.timestamp("us", tz="UTC")))
+            price_tables.import_rows(lake, name, rows)
+            con.execute(f"DROP TABLE {name}")
+            log.warning("usage store: moved %d rows of %s from the control file into the lake %s",
+                        rows.num_rows, name, lake.uri)
     for name, table in (("usage_events", EVENTS), ("usage_rejects", REJECTS)):
         if name not in legacy:
             continue
@@ -154,7 +138,7 @@ def _import_legacy(con: duckdb.DuckDBPyConnection, lake: Lake) -> None:
             frame = con.execute(f"SELECT * FROM {name} ORDER BY {key} LIMIT {LEGACY_CHUNK} "
                                 f"OFFSET {chunk * LEGACY_CHUNK}").df()
             if name == "usage_events":
-                rows = events_table(frame[EVENT_COLUMNS], writer="legacy", seq=chunk)
+                rows = events_table(frame, writer="legacy", seq=chunk)
                 if chunk > done:
                     append(lake, EVENTS, rows, txn=(app, chunk))
                 append(lake, ROLLUPS, rollups.rollup(rows), txn=(app, chunk))  # chunk > rolled here
@@ -169,11 +153,18 @@ def events_table(rows_or_frame, writer: str = "direct", seq: int = 0, loaded_at:
     """Event rows (tuples in EVENT_COLUMNS order, or a DataFrame with those columns) as an Arrow table of the
     lake's events schema. Raises pyarrow.ArrowInvalid / ValueError for a value the store cannot hold
     (e.g. a ts whose day is past year 9999)."""
+    fields = EVENT_FIELDS + OPTIONAL_EVENT_FIELDS
     if isinstance(rows_or_frame, pd.DataFrame):
-        cols = {c: pa.array(rows_or_frame[c].tolist(), type=t) for c, t in EVENT_FIELDS}
+        # an optional column missing from the frame (or NaN in it) is null
+        frame = rows_or_frame
+        cols = {c: pa.array([None if v is None or v != v else v for v in frame[c].tolist()] if c in frame
+                            else [None] * len(frame), type=t) if (c, t) in OPTIONAL_EVENT_FIELDS
+                else pa.array(frame[c].tolist(), type=t) for c, t in fields}
     else:
-        columns = list(zip(*rows_or_frame)) if rows_or_frame else [[] for _ in EVENT_COLUMNS]
-        cols = {c: pa.array(list(columns[i]), type=t) for i, (c, t) in enumerate(EVENT_FIELDS)}
+        # tuples in LOADED_COLUMNS order; shorter ones (EVENT_COLUMNS only) leave the optional columns null
+        columns = list(zip(*rows_or_frame)) if rows_or_frame else []
+        cols = {c: pa.array(list(columns[i]) if i < len(columns) else [None] * len(rows_or_frame), type=t)
+                for i, (c, t) in enumerate(fields)}
     n = len(cols["ts"])
     # day = UTC date of ts; the cast refuses (ArrowInvalid) a ts whose milliseconds overflow int64.
     ms = pc.cast(pc.floor(pc.multiply(cols["ts"], 1000.0)), pa.int64())
@@ -205,7 +196,7 @@ def insert_events(con: duckdb.DuckDBPyConnection, frame: pd.DataFrame) -> int:
     if table.num_rows:
         append(lake, EVENTS, table)
         append(lake, ROLLUPS, rollups.rollup(table))
-        register_views(con, lake)  # this connection sees its own write
+        _register(con, lake)  # this connection sees its own write
     return table.num_rows
 
 
@@ -222,7 +213,7 @@ def insert_rejects(con: duckdb.DuckDBPyConnection, rows: list[tuple[str, str, st
     """rows: (id, reason, raw), appended to the connection's lake."""
     if rows:
         append(lake_of(con), REJECTS, rejects_table(rows))
-        register_views(con, lake_of(con))
+        _register(con, lake_of(con))
 
 
 def export_parquet(store_path: Path, out_dir: Path) -> list[Path]:
@@ -242,9 +233,8 @@ def export_parquet(store_path: Path, out_dir: Path) -> list[Path]:
 
 def set_price(store_path: Path, model: str, prefill_per_m: float, cached_per_m: float,
               decode_per_m: float) -> None:
-    with connect(store_path) as con:
-        con.execute("INSERT OR REPLACE INTO prices VALUES (?, ?, ?, ?, current_timestamp)",
-                    [model, prefill_per_m, cached_per_m, decode_per_m]).fetchall()
+    """The operator's price for a model, in the lake (usage/price_tables.py): every pod reads it."""
+    price_tables.set_price(lake_for(store_path), model, prefill_per_m, cached_per_m, decode_per_m)
 
 
 def list_prices(store_path: Path) -> pd.DataFrame:
@@ -255,8 +245,4 @@ def list_prices(store_path: Path) -> pd.DataFrame:
 def add_gpu_hours(store_path: Path, day: str, model: str, version: str, hours: float,
                   replace: bool = False) -> None:
     """Record GPU-hours spent serving model/version on day (added to what is there unless replace)."""
-    with connect(store_path) as con:
-        update = "excluded.gpu_hours" if replace else "gpu_hours.gpu_hours + excluded.gpu_hours"
-        con.execute("INSERT INTO gpu_hours VALUES (CAST(? AS DATE), ?, ?, ?) "
-                    f"ON CONFLICT (day, model, version) DO UPDATE SET gpu_hours = {update}",
-                    [day, model, version, hours]).fetchall()
+    price_tables.add_gpu_hours(lake_for(store_path), [(day, model, version, hours)], replace=replace)

@@ -111,8 +111,10 @@ def build_lake(work: Path, n: int, day: dt.date, threads: int) -> dict:
     con.execute("SET enable_progress_bar = false")
     t0 = time.perf_counter()
     sql = EVENTS_SQL.format(salt="lake", day_s=day_s, n=n, callers=CALLERS, teams=TEAMS, models=MODELS, day=day)
-    cols = ", ".join(lake.EVENTS_SCHEMA.names[:-3])  # + day below; loader bookkeeping constant
-    con.execute(f"COPY (SELECT {cols}, 'bench' AS load_writer, CAST(0 AS BIGINT) AS load_seq, "
+    # the generated columns (+ day), no trace ids (nullable), loader bookkeeping constant
+    cols = ", ".join(n for n in lake.EVENTS_SCHEMA.names[:-3] if n not in dict(lake.OPTIONAL_EVENT_FIELDS))
+    con.execute(f"COPY (SELECT {cols}, CAST(NULL AS VARCHAR) AS trace_id, 'bench' AS load_writer, "
+                f"CAST(0 AS BIGINT) AS load_seq, "
                 f"{day_s + 86400.0} AS loaded_at FROM ({sql})) TO '{events_dir}' "
                 "(FORMAT parquet, PARTITION_BY (day), ROW_GROUP_SIZE 1000000, COMPRESSION zstd)")
     t_gen = time.perf_counter() - t0
@@ -157,7 +159,7 @@ def build_peer(work: Path, n: int, day: dt.date, threads: int) -> dict:
     con.execute("SET enable_progress_bar = false")
     ddl = ", ".join(f"{f.name} {'VARCHAR' if str(f.type) == 'string' else 'BIGINT' if f.type == 'int64' else 'DOUBLE'}"
                     + (" PRIMARY KEY" if f.name == "request_id" else "") for f in lake.EVENTS_SCHEMA
-                    if f.name not in ("day", "load_writer", "load_seq", "loaded_at"))
+                    if f.name not in ("day", "load_writer", "load_seq", "loaded_at", *dict(lake.OPTIONAL_EVENT_FIELDS)))
     con.execute(f"CREATE TABLE usage_events ({ddl}, day DATE NOT NULL)")
     t0 = time.perf_counter()
     step = 5_000_000

@@ -37,3 +37,11 @@ def test_router_killed_with_events_in_spool(settings, tmp_path):
     res = faultcheck.router_kill(settings, tmp_path, rate=1500, run_s=3, broker_down=True)
     assert_exactly_once(res)
     assert res["spooled_at_restart"] >= res["emitted"]
+
+
+def test_partitions_move_to_another_loader_after_a_kill(settings, tmp_path):
+    """Two real loader processes on a real broker: A dies between its lake write and its offset commit, B takes
+    its partitions and re-reads that batch. B re-seeds its window on assignment, so nothing is stored twice."""
+    res = faultcheck.loader_rebalance(settings, tmp_path)
+    assert res["a_exit"] == 137 and res["a_rows"] > 0, res  # A did write, and died before acknowledging
+    assert_exactly_once(res)

@@ -92,7 +92,8 @@ def s3_server(tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(moto_dir)})
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(moto_dir)},
+                            start_new_session=True)  # its own group: stop_pid below signals the group
     deadline = time.monotonic() + 30
     while True:
         try:
