@@ -161,12 +161,15 @@ def plan_trtllm(plan: BuildPlan, work_dir: Path, serve_dir: Path, adapters_dir: 
     values = trtllm_values(plan, serve_dir / "engine", serve_dir / "tokenizer", adapters_dir)
     if not paged_context:
         values.update(enable_kv_cache_reuse="false", enable_chunked_context="false")
+    # guided decoding's tokenizer file, beside the tokenizer (build_engines/xgrammar_info.py)
+    xgr_info = ["python3", "-m", "build_engines.xgrammar_info", "--model_dir", hf, "--output_dir", str(tok_dir)]
     commands = [convert, build, ["mkdir", "-p", str(tok_dir)], copy_tok]
     report = None
     if gate is not None and not gate.skip_reason:
         from build_engines.trtllm_gate import gate_commands
         gate_cmds, report = gate_commands(build, ckpt_dir, work_dir, hf, plan.dtype, tp, gate)
         commands += gate_cmds
+    commands.append(xgr_info)
     return TrtllmPlan(commands, values, work_dir, engine_dir, serve_dir / "engine", tok_dir, tuple(notes), report)
 
 
@@ -189,6 +192,9 @@ def trtllm_values(plan: BuildPlan, engine_dir: Path, tokenizer_dir: Path, adapte
         "lora_cache_host_memory_bytes": str(4 << 30) if plan.lora else "0",
         "lora_max_modules_layers": str(modules),
         "tokenizer_dir": str(tokenizer_dir), "adapters_dir": str(adapters_dir),
+        # TensorRT-LLM guided decoding (tensorrtllm_backend >= 0.19 reads these; docs/gpu_path.md)
+        "guided_decoding_backend": "xgrammar",
+        "xgrammar_tokenizer_info_path": str(Path(tokenizer_dir) / "xgrammar_tokenizer_info.json"),
         "max_context": str(plan.max_context), "dtype": plan.dtype, "tensor_parallel": str(tp),
         "tokens_per_block": str(TOKENS_PER_BLOCK),
         "kv_cache_dtype": "fp8" if plan.dtype == "fp8" or plan.opts.kv_cache_dtype == "fp8" else HF_DTYPE[plan.dtype],

@@ -6,7 +6,7 @@ import re
 import shutil
 from pathlib import Path
 
-from build_engines import trtllm
+from build_engines import trtllm, xgrammar_info
 from build_engines.plan import BuildOptions, inspect_checkpoint, resolve
 
 STANDIN = Path(__file__).parent / "standin" / "model.py"
@@ -21,6 +21,8 @@ def render_standin_repository(checkpoint: Path, out_dir: Path, adapters_dir: Pat
     plan = resolve(opts, inspect_checkpoint(str(checkpoint)))
     values = trtllm.trtllm_values(plan, checkpoint, checkpoint, adapters_dir)
     values["tokens_per_block"] = str(TOKENS_PER_BLOCK)
+    # guided decoding's tokenizer file, as the build's last step writes it (beside the served tokenizer there)
+    values["xgrammar_tokenizer_info_path"] = str(xgrammar_info.write(checkpoint, out_dir))
     repo = trtllm.render(values, out_dir)
     config = repo / "tensorrt_llm" / "config.pbtxt"
     text, n = re.subn(r'^backend: "tensorrtllm"$', 'backend: "python"', config.read_text(), flags=re.M)
