@@ -16,6 +16,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from common.text import load_tokenizer
+from python_backends.gpu_metrics import GpuCounters, replica_labels
 
 
 def _arr(request, name):
@@ -28,6 +29,10 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         self.tokenizer = load_tokenizer(params["tokenizer_dir"])
         self.tokens_per_block = int(params["tokens_per_block"])
+        self.metrics = GpuCounters(pb_utils, ("fleet_engine_generated_tokens_total",), replica_labels())
+
+    def finalize(self):
+        self.metrics.close()
 
     def execute(self, requests):
         return [self._one(r) for r in requests]
@@ -38,6 +43,7 @@ class TritonPythonModel:
         reused = _arr(request, "kv_cache_reused_blocks")
         cached = 0 if reused is None else int(reused.reshape(-1)[0]) * self.tokens_per_block
         text = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True) if ids.size else ""
+        self.metrics.add("fleet_engine_generated_tokens_total", int(ids.size))
         tensors = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=object)),
                    pb_utils.Tensor("output_ids_out", ids),
                    pb_utils.Tensor("finish_reason", np.array([b""], dtype=object)),

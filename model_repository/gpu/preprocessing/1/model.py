@@ -22,6 +22,7 @@ from common.hashing import lora_task_id
 from common.names import valid_adapter_name  # a name, never a path: no folder outside adapters_dir
 from common.text import load_tokenizer
 from common.trtllm_request import NO_END_ID, random_seed, sampling_inputs
+from python_backends.gpu_metrics import GpuCounters, replica_labels
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -41,6 +42,10 @@ class TritonPythonModel:
         self.end_id, self.extra_eos = eos[0], [[i] for i in eos[1:]]
         self.adapters = Path(params["adapters_dir"])
         self.max_context = int(params["max_context"])
+        self.metrics = GpuCounters(pb_utils, ("fleet_engine_prefix_cache_queried_tokens_total",), replica_labels())
+
+    def finalize(self):
+        self.metrics.close()
 
     def execute(self, requests):
         out = []
@@ -75,6 +80,7 @@ class TritonPythonModel:
         if ids.size + 1 > self.max_context:
             raise ValueError(f"prompt has {ids.size} tokens; max context is {self.max_context}")
         max_tokens = max(1, min(max_tokens, self.max_context - ids.size))
+        self.metrics.add("fleet_engine_prefix_cache_queried_tokens_total", int(ids.size))
         params = json.loads(request.parameters() or "{}")
         ignore_eos = params.get("ignore_eos") is True
         try:
