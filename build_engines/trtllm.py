@@ -38,7 +38,7 @@ from typing import Any
 
 from common.settings import REPO_ROOT, Settings
 
-from build_engines import stage, triton_repo
+from build_engines import stage, triton_repo, xgrammar_info
 from build_engines.layout import BuildResult, artefacts_ok, clean_stale_partials, store_uri, version_dir
 from build_engines.plan import (BuildError, BuildOptions, BuildPlan, inputs_fingerprint, inspect_checkpoint,
                                 precheck_checkpoint, resolve)
@@ -161,15 +161,12 @@ def plan_trtllm(plan: BuildPlan, work_dir: Path, serve_dir: Path, adapters_dir: 
     values = trtllm_values(plan, serve_dir / "engine", serve_dir / "tokenizer", adapters_dir)
     if not paged_context:
         values.update(enable_kv_cache_reuse="false", enable_chunked_context="false")
-    # guided decoding's tokenizer file, beside the tokenizer (build_engines/xgrammar_info.py)
-    xgr_info = ["python3", "-m", "build_engines.xgrammar_info", "--model_dir", hf, "--output_dir", str(tok_dir)]
     commands = [convert, build, ["mkdir", "-p", str(tok_dir)], copy_tok]
     report = None
     if gate is not None and not gate.skip_reason:
         from build_engines.trtllm_gate import gate_commands
         gate_cmds, report = gate_commands(build, ckpt_dir, work_dir, hf, plan.dtype, tp, gate)
         commands += gate_cmds
-    commands.append(xgr_info)
     return TrtllmPlan(commands, values, work_dir, engine_dir, serve_dir / "engine", tok_dir, tuple(notes), report)
 
 
@@ -328,6 +325,8 @@ def _run_build(opts: BuildOptions, settings: Settings, db_url: str, ckpt: Any, p
             stage.console.print(summary(report), highlight=False)
             if not report["passed"]:
                 raise RuntimeError(summary(report))
+        step = "guided decoding tokenizer file"  # beside the served tokenizer (values xgrammar_tokenizer_info_path)
+        xgrammar_info.write(plan.ckpt.path, tp_plan.tokenizer_dir)
         if plan.lora:
             step = "convert LoRA adapters"
             info["lora_converted"] = convert_adapters(settings.data_dir / "adapters")

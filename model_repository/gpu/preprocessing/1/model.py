@@ -80,7 +80,6 @@ class TritonPythonModel:
         if ids.size + 1 > self.max_context:
             raise ValueError(f"prompt has {ids.size} tokens; max context is {self.max_context}")
         max_tokens = max(1, min(max_tokens, self.max_context - ids.size))
-        self.metrics.add("fleet_engine_prefix_cache_queried_tokens_total", int(ids.size))
         params = json.loads(request.parameters() or "{}")
         ignore_eos = params.get("ignore_eos") is True
         try:
@@ -119,4 +118,5 @@ class TritonPythonModel:
                 config = np.load(folder / "model.lora_config.npy").astype(np.int32)
                 tensors += [pb_utils.Tensor("lora_weights", weights.reshape((1,) + weights.shape[-2:])),
                             pb_utils.Tensor("lora_config", config.reshape((1,) + config.shape[-2:]))]
+        self.metrics.add("fleet_engine_prefix_cache_queried_tokens_total", int(ids.size))  # accepted requests only
         return tensors
