@@ -3,18 +3,17 @@
 Pure numpy, so it is tested without Triton; model_repository/gpu/preprocessing wraps the arrays in tensors.
 Names and shapes follow tensorrtllm_backend's `tensorrt_llm/config.pbtxt` (batch dim 1 explicit here):
 
-| router field (request parameter)            | tensorrt_llm input                                         |
-|---------------------------------------------|------------------------------------------------------------|
-| `ignore_eos`                                | `end_id` = -1 (no end id: TensorRT-LLM's own ignore_eos, as its LLM API sets it), and the model's other EOS ids are not stop words |
-| `random_seed` + `seed_offset` (a resumed seeded stream) | `random_seed` = seed + offset (mod 2^64): the resumed part draws from its own stream, not the uninterrupted one's |
-| sampling `presence_penalty`, `frequency_penalty`, `repetition_penalty` | the inputs of the same names (FP32)  |
-| sampling `min_tokens`                       | `min_length` (INT32)                                       |
-| sampling `stop_token_ids`                   | one-token words in `stop_words_list` (the id is streamed, as a stop word's are) |
-| sampling `logprobs`                         | `return_log_probs` (BOOL); `output_log_probs` comes back per response |
-| sampling `guided` (response_format)         | `guided_decoding_guide_type` json / json_schema / regex and `guided_decoding_guide` (tensorrtllm_backend >= 0.19, model parameter `guided_decoding_backend: xgrammar`) |
+- `ignore_eos` -> `end_id` = -1 (no end id, as TensorRT-LLM's own ignore_eos) and no EOS stop words;
+- `random_seed` + `seed_offset` (a resumed seeded stream) -> `random_seed` = seed + offset (mod 2^64): the
+  resumed part draws from its own stream, not the uninterrupted one's;
+- `presence_penalty`, `frequency_penalty`, `repetition_penalty` -> the inputs of the same names (FP32);
+- `min_tokens` -> `min_length`; `stop_token_ids` -> one-token words in `stop_words_list`;
+- `logprobs` -> `return_log_probs`; `output_log_probs` then comes back with each response;
+- `guided` (response_format) -> `guided_decoding_guide_type` json / json_schema / regex and
+  `guided_decoding_guide` (tensorrtllm_backend >= 0.19, model parameter `guided_decoding_backend: xgrammar`).
 
 Fields not listed (top_logprobs, logit_bias, min_p) are refused by the router before a GPU replica is called
-(router_service/upstream.py GPU_SAMPLING); here they are an error naming the field.
+(router_service/upstream.py, with GPU_FIELDS); here they are an error naming the field.
 """
 from __future__ import annotations
 
