@@ -38,7 +38,7 @@ from typing import Any
 
 from common.settings import REPO_ROOT, Settings
 
-from build_engines import stage, triton_repo
+from build_engines import stage, triton_repo, xgrammar_info
 from build_engines.layout import BuildResult, artefacts_ok, clean_stale_partials, store_uri, version_dir
 from build_engines.plan import (BuildError, BuildOptions, BuildPlan, inputs_fingerprint, inspect_checkpoint,
                                 precheck_checkpoint, resolve)
@@ -189,6 +189,9 @@ def trtllm_values(plan: BuildPlan, engine_dir: Path, tokenizer_dir: Path, adapte
         "lora_cache_host_memory_bytes": str(4 << 30) if plan.lora else "0",
         "lora_max_modules_layers": str(modules),
         "tokenizer_dir": str(tokenizer_dir), "adapters_dir": str(adapters_dir),
+        # TensorRT-LLM guided decoding (tensorrtllm_backend >= 0.19 reads these; docs/gpu_path.md)
+        "guided_decoding_backend": "xgrammar",
+        "xgrammar_tokenizer_info_path": str(Path(tokenizer_dir) / "xgrammar_tokenizer_info.json"),
         "max_context": str(plan.max_context), "dtype": plan.dtype, "tensor_parallel": str(tp),
         "tokens_per_block": str(TOKENS_PER_BLOCK),
         "kv_cache_dtype": "fp8" if plan.dtype == "fp8" or plan.opts.kv_cache_dtype == "fp8" else HF_DTYPE[plan.dtype],
@@ -322,6 +325,8 @@ def _run_build(opts: BuildOptions, settings: Settings, db_url: str, ckpt: Any, p
             stage.console.print(summary(report), highlight=False)
             if not report["passed"]:
                 raise RuntimeError(summary(report))
+        step = "guided decoding tokenizer file"  # beside the served tokenizer (values xgrammar_tokenizer_info_path)
+        xgrammar_info.write(plan.ckpt.path, tp_plan.tokenizer_dir)
         if plan.lora:
             step = "convert LoRA adapters"
             info["lora_converted"] = convert_adapters(settings.data_dir / "adapters")

@@ -27,6 +27,7 @@ from tritonclient.grpc import InferInput, InferRequestedOutput, InferResult
 from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException
 
+from common.trtllm_request import GPU_FIELDS  # the sampling fields a TensorRT-LLM replica takes
 from router_service import metrics
 from router_service.cancellation import CancelHandle
 from router_service.request import TIER_INDEX, Finished, GenerateRequest, TokenDelta
@@ -162,9 +163,10 @@ class ReplicaClient:
             params["ignore_eos"] = True
         sampling = req.sampling_fields()
         if sampling:
-            if not direct:  # TensorRT-LLM replicas behind the ensemble: not wired (docs/api.md)
-                raise ReplicaRefused(f"{', '.join(sampling)}: served by CPU engine replicas only; this model's "
-                                     "replicas do not take them")
+            other = [k for k in sampling if k not in GPU_FIELDS]
+            if not direct and other:  # TensorRT-LLM has no top-k logprobs, logit_bias by id or min_p (docs/gpu_path.md)
+                raise ReplicaRefused(f"{', '.join(other)}: served by CPU engine replicas only; this model's "
+                                     f"TensorRT-LLM replicas take {', '.join(sorted(GPU_FIELDS))}")
             params["sampling"] = json.dumps({k: ({str(t): b for t, b in v.items()} if k == "logit_bias" else v)
                                              for k, v in sampling.items()}, separators=(",", ":"))
         if seed_offset:  # a resumed seeded stream: the engine continues the random stream at this step
@@ -174,7 +176,8 @@ class ReplicaClient:
             model_name=ENGINE if direct else ENSEMBLE, inputs=build_inputs(req, prompt_ids, max_tokens),
             model_version="", request_id=req.request_id,
             outputs=[InferRequestedOutput(name) for name in (ENGINE_OUTPUTS if direct else OUTPUTS)
-                     + (LOGPROB_OUTPUTS if direct and (req.logprobs or req.top_logprobs) else ())], sequence_id=0,
+                     + ((LOGPROB_OUTPUTS if direct else LOGPROB_OUTPUTS[:1]) if req.logprobs or req.top_logprobs
+                        else ())], sequence_id=0,
             sequence_start=False, sequence_end=False, priority=0, timeout=None, parameters=params)
         # tritonclient's stream_infer refuses `triton_`-prefixed parameters, so the request is built with its
         # own helper and Triton's switch for the empty final response is set here.
@@ -183,7 +186,8 @@ class ReplicaClient:
         async def requests():
             yield request
             await done.wait()  # keep our side open until the replica has sent its last response
-        return self.client._client_stub.ModelStreamInfer(requests())
+        # traceparent also as gRPC metadata: Triton's OpenTelemetry mode continues the caller's trace from it
+        return self.client._client_stub.ModelStreamInfer(requests(), metadata=tuple(req.trace_context.items()) or None)
 
     async def generate(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int,
                        handle: CancelHandle | None = None, seed_offset: int = 0,

@@ -153,7 +153,9 @@ def test_gpu_ensemble_has_the_cpu_ensembles_outside_shape() -> None:
     cpu = parse_config(TEMPLATES / "llm" / "config.pbtxt")
     gpu = parse_config(TEMPLATES / "gpu" / "llm" / "config.pbtxt")
     shape = lambda ts: [text_format.MessageToString(t, as_one_line=True) for t in ts]  # noqa: E731
-    assert shape(cpu.input) == shape(gpu.input) and shape(cpu.output) == shape(gpu.output)
+    # plus output_logprobs on GPU: there the router reads logprobs from the ensemble (on CPU from `engine` direct)
+    extra = ['name: "output_logprobs" data_type: TYPE_FP32 dims: -1']
+    assert shape(cpu.input) == shape(gpu.input) and shape(cpu.output) + extra == shape(gpu.output)
     assert cpu.max_batch_size == gpu.max_batch_size == 0 and gpu.platform == "ensemble"
 
 

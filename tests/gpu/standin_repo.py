@@ -6,7 +6,7 @@ import re
 import shutil
 from pathlib import Path
 
-from build_engines import trtllm
+from build_engines import trtllm, xgrammar_info
 from build_engines.plan import BuildOptions, inspect_checkpoint, resolve
 
 STANDIN = Path(__file__).parent / "standin" / "model.py"
@@ -21,7 +21,11 @@ def render_standin_repository(checkpoint: Path, out_dir: Path, adapters_dir: Pat
     plan = resolve(opts, inspect_checkpoint(str(checkpoint)))
     values = trtllm.trtllm_values(plan, checkpoint, checkpoint, adapters_dir)
     values["tokens_per_block"] = str(TOKENS_PER_BLOCK)
-    repo = trtllm.render(values, out_dir)
+    # guided decoding's tokenizer file, as the trtllm build writes it (beside the served tokenizer there)
+    info = out_dir / xgrammar_info.FILENAME
+    values["xgrammar_tokenizer_info_path"] = str(info)
+    repo = trtllm.render(values, out_dir)  # (re)creates out_dir
+    xgrammar_info.write(checkpoint, info.parent)
     config = repo / "tensorrt_llm" / "config.pbtxt"
     text, n = re.subn(r'^backend: "tensorrtllm"$', 'backend: "python"', config.read_text(), flags=re.M)
     assert n == 1, "the rendered tensorrt_llm config no longer names the tensorrtllm backend"

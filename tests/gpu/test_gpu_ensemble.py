@@ -4,6 +4,8 @@ the backend's documented contract). Streams finish, usage counts are right, cach
 LoRA weights cross into the backend once per replica and again only after the backend's not-cached answer."""
 from __future__ import annotations
 
+import json
+import re
 import time
 
 import httpx
@@ -104,6 +106,50 @@ def test_lora_weights_cross_once_per_replica_and_again_after_eviction(stack):
     for adapter in ("terse-json", "french", "terse-json", "french"):
         assert stack.complete("Say hello.", 3, adapter=adapter)["choices"][0]["finish_reason"] == "length"
     assert sum(uploads()) == sends("first") + sends("not_cached")
+
+
+def _chat(stack, content: str, **extra) -> httpx.Response:
+    return httpx.post(f"{stack.http_url}/v1/chat/completions", timeout=120,
+                      headers={"authorization": f"Bearer {stack.api_key}"},
+                      json={"model": "smollm2-135m", "temperature": 0, **extra,
+                            "messages": [{"role": "user", "content": content}]})
+
+
+def test_guided_decoding_logprobs_and_ignore_eos_reach_tensorrt_llm(stack):
+    """response_format -> guided_decoding_guide_type/guide (the stand-in enforces them with xgrammar, as the
+    backend does); logprobs -> return_log_probs -> output_log_probs -> the SSE/JSON logprobs; ignore_eos ->
+    end_id -1. Each through the real router, tritonserver and the GPU pre/post-processing."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["colour", "ripe"],
+              "properties": {"colour": {"type": "string", "enum": ["red", "green", "yellow"]},
+                             "ripe": {"type": "boolean"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "fruit", "schema": schema, "strict": True}}
+    generated = lambda: sum(stack.replica_metric(i, "fleet_engine_generated_tokens_total") for i in range(2))  # noqa: E731
+    prompted = lambda: sum(stack.replica_metric(i, "fleet_engine_prefix_cache_queried_tokens_total")  # noqa: E731
+                           for i in range(2))
+    before = generated(), prompted()
+    resp = _chat(stack, "Describe a banana.", max_tokens=40, response_format=fmt, logprobs=True)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    parsed = json.loads(choice["message"]["content"])           # valid JSON, and the schema's shape
+    assert set(parsed) == {"colour", "ripe"} and parsed["colour"] in ("red", "green", "yellow")
+    assert choice["finish_reason"] == "stop"                    # the grammar ended it, not max_tokens
+    content = choice["logprobs"]["content"]
+    assert len(content) == resp.json()["usage"]["completion_tokens"]
+    assert all(t["logprob"] <= 0 for t in content) and sum(t["logprob"] for t in content) < 0
+    regex = _chat(stack, "Pick a number.", max_tokens=8, response_format={"type": "regex", "pattern": "[0-9]{3}"})
+    assert regex.status_code == 200 and re.fullmatch(r"[0-9]{3}", regex.json()["choices"][0]["message"]["content"])
+    # what TensorRT-LLM cannot do is refused before any token, naming the field
+    refused = _chat(stack, "Hi", max_tokens=4, logprobs=True, top_logprobs=2)
+    assert refused.status_code >= 400 and "top_logprobs" in refused.text
+    # ignore_eos: the one-word answer that ends early without it runs to max_tokens with it
+    short = _chat(stack, "Reply with exactly one word: yes or no?", max_tokens=48).json()
+    assert short["usage"]["completion_tokens"] < 48
+    full = _chat(stack, "Reply with exactly one word: yes or no?", max_tokens=48, ignore_eos=True).json()
+    assert full["usage"]["completion_tokens"] == 48 and full["choices"][0]["finish_reason"] == "length"
+    # the GPU replica's own fleet_engine_* counters (python_backends/gpu_metrics.py) saw these tokens
+    wait_for(lambda: generated() - before[0] >= 48 + short["usage"]["completion_tokens"], 10,
+             "fleet_engine_generated_tokens_total did not count the streamed tokens")
+    assert prompted() - before[1] >= full["usage"]["prompt_tokens"] * 2
 
 
 def test_prestop_drain_waits_for_the_backends_active_requests(stack):

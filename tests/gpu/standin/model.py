@@ -13,8 +13,15 @@ It is served by the Python backend under the exact config.pbtxt that build_engin
   answered with the backend's own error text; LRU eviction beyond `lora_cache_max_tasks`;
 - the backend's metric families nv_trt_llm_request_metrics{request_type=active|max|scheduled|context} and
   nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max|free|used|tokens_per}.
+- guided decoding as tensorrtllm_backend >= 0.19 does it with `guided_decoding_backend: xgrammar`: the tokenizer
+  from `xgrammar_tokenizer_info_path` (encoded_vocab, tokenizer_str, stop_token_ids), inputs
+  `guided_decoding_guide_type` json | json_schema | regex | ebnf_grammar and `guided_decoding_guide`, the
+  logits masked by the same xgrammar library (a request for it on a model without the parameters is an error);
+- `end_id` -1 (no end id: generate to request_output_len), `min_length` (the end id is masked until then),
+  `return_log_probs` -> `output_log_probs` [1, 1, new tokens] (log-softmax of the distribution sampled from).
 Tokens come from a real model (the Hugging Face checkpoint at `gpt_model_path`, greedy or sampled with
-transformers); adapters are cached and counted but not applied to the logits.
+transformers); adapters are cached and counted but not applied to the logits; repetition/presence/frequency
+penalties are accepted and not applied.
 """
 import hashlib
 import json
@@ -73,6 +80,52 @@ class TritonPythonModel:
         self.m_used.set(0)
         self.m_uploads = uploads.Metric(labels=labels)
         self.families = (requests, kv, uploads)  # metric families live as long as the model
+        self.grammars = self._grammar_compiler(params)
+
+    def _grammar_compiler(self, params):
+        """xgrammar's compiler over the backend's tokenizer-info file, as the C++ backend builds it (None when
+        the model config does not enable guided decoding)."""
+        path = params.get("xgrammar_tokenizer_info_path", "")
+        if params.get("guided_decoding_backend") != "xgrammar" or not path or path.startswith("${"):
+            return None
+        import xgrammar as xgr
+        with open(path) as f:
+            info = json.load(f)
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(info["tokenizer_str"])
+        tokenizer = xgr.TokenizerInfo(info["encoded_vocab"], meta["vocab_type"],
+                                      vocab_size=self.model.config.vocab_size,
+                                      stop_token_ids=info["stop_token_ids"], add_prefix_space=meta["add_prefix_space"])
+        return xgr.GrammarCompiler(tokenizer, max_threads=1)
+
+    def _guide(self, request):
+        """The request's grammar matcher (None when unconstrained), as the backend's GuidedDecodingParams."""
+        kind = _get(request, "guided_decoding_guide_type")
+        if kind is None:
+            return None
+        kind = kind.reshape(-1)[0]
+        kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+        text = _get(request, "guided_decoding_guide")
+        text = "" if text is None else text.reshape(-1)[0]
+        text = text.decode() if isinstance(text, bytes) else str(text)
+        if self.grammars is None:
+            raise ValueError("Guided decoding is not enabled: set guided_decoding_backend and "
+                             "xgrammar_tokenizer_info_path in the tensorrt_llm model config")
+        import xgrammar as xgr
+        try:
+            if kind == "json":
+                grammar = self.grammars.compile_builtin_json_grammar()
+            elif kind == "json_schema":
+                grammar = self.grammars.compile_json_schema(text, any_whitespace=False)
+            elif kind == "regex":
+                grammar = self.grammars.compile_regex(text)
+            elif kind == "ebnf_grammar":
+                grammar = self.grammars.compile_grammar(text)
+            else:
+                raise ValueError(f"guided_decoding_guide_type {kind!r} is not one of json, json_schema, regex, "
+                                 "ebnf_grammar")
+        except RuntimeError as exc:
+            raise ValueError(f"guided decoding guide cannot be compiled: {exc}") from exc
+        return xgr.GrammarMatcher(grammar)
 
     def execute(self, requests):
         for request in requests:
@@ -104,7 +157,8 @@ class TritonPythonModel:
                 start = int(end)
         reuse_stats = bool(_scalar(request, "return_kv_cache_reuse_stats", False))
         sampling = (float(_scalar(request, "temperature", 1.0)), int(_scalar(request, "runtime_top_k", 1)),
-                    int(_scalar(request, "random_seed", 0)))
+                    int(_scalar(request, "random_seed", 0)), int(_scalar(request, "min_length", 0)),
+                    bool(_scalar(request, "return_log_probs", False)), self._guide(request))
         return ids, max_new, end_id, stops, reuse_stats, sampling
 
     def _lora(self, request):
@@ -154,7 +208,7 @@ class TritonPythonModel:
             self._publish()
         stats = {"kv_cache_reused_blocks": reused, "kv_cache_alloc_new_blocks": total - reused,
                  "kv_cache_alloc_total_blocks": total} if reuse_stats else {}
-        temperature, top_k, seed = sampling
+        temperature, top_k, seed, min_length, want_logprobs, matcher = sampling
         gen = torch.Generator().manual_seed(seed)
         out: list[int] = []
         past, step_input = None, torch.tensor([ids.tolist()])
@@ -165,17 +219,25 @@ class TritonPythonModel:
                     return
                 with self.lock, torch.no_grad():
                     result = self.model(input_ids=step_input, past_key_values=past, use_cache=True)
-                past, logits = result.past_key_values, result.logits[0, -1]
-                if top_k == 1 or temperature <= 1e-4:
+                past, logits = result.past_key_values, result.logits[0, -1].float().clone()
+                if matcher is not None:
+                    self._mask(matcher, logits)
+                if 0 <= end_id < logits.numel() and len(out) < min_length:
+                    logits[end_id] = -float("inf")
+                greedy = top_k == 1 or temperature <= 1e-4
+                scaled = logits if greedy else logits / temperature
+                if greedy:
                     token = int(torch.argmax(logits))
                 else:
-                    probs = torch.softmax(logits / temperature, -1)
-                    token = int(torch.multinomial(probs, 1, generator=gen))
+                    token = int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=gen))
+                if matcher is not None:
+                    matcher.accept_token(token)
                 finished_by_end = token == end_id
                 new = [] if finished_by_end else [token]  # the executor never streams the end id
+                logprobs = [float(torch.log_softmax(scaled, -1)[token])] * len(new) if want_logprobs else None
                 out += new
                 last = finished_by_end or len(out) >= max_new or any(s and out[-len(s):] == s for s in stops)
-                sender.send(self._response(new, stats), flags=FINAL if last else 0)
+                sender.send(self._response(new, stats, logprobs), flags=FINAL if last else 0)
                 if last:
                     return
                 step_input = torch.tensor([[token]])
@@ -187,10 +249,21 @@ class TritonPythonModel:
                 self.used_blocks -= total
                 self._publish()
 
-    def _response(self, new, stats):
+    @staticmethod
+    def _mask(matcher, logits):
+        import xgrammar as xgr
+        bitmask = xgr.allocate_token_bitmask(1, logits.numel())
+        matcher.fill_next_token_bitmask(bitmask)
+        row = logits.view(1, -1)
+        xgr.apply_token_bitmask_inplace(row, bitmask)
+
+    def _response(self, new, stats, logprobs=None):
         tensors = [pb_utils.Tensor("output_ids", np.array([[new]], dtype=np.int32).reshape(1, 1, len(new))),
                    pb_utils.Tensor("sequence_length", np.array([[len(new)]], dtype=np.int32))]
         tensors += [pb_utils.Tensor(k, np.array([[v]], dtype=np.int32)) for k, v in stats.items()]
+        if logprobs is not None:  # the backend sends it only when return_log_probs was set
+            tensors.append(pb_utils.Tensor("output_log_probs",
+                                           np.array(logprobs, dtype=np.float32).reshape(1, 1, len(logprobs))))
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def _publish(self):
