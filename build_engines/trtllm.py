@@ -170,6 +170,14 @@ def plan_trtllm(plan: BuildPlan, work_dir: Path, serve_dir: Path, adapters_dir: 
     return TrtllmPlan(commands, values, work_dir, engine_dir, serve_dir / "engine", tok_dir, tuple(notes), report)
 
 
+GUIDED_DECODING_SINCE = (0, 19)
+
+
+def guided_decoding_supported(version: str) -> bool:
+    """Whether tensorrtllm_backend `version` applies the guided_decoding_guide inputs (0.19 and later)."""
+    return tuple(int(x) for x in version.split(".")[:2]) >= GUIDED_DECODING_SINCE
+
+
 def trtllm_values(plan: BuildPlan, engine_dir: Path, tokenizer_dir: Path, adapters_dir: Path) -> dict[str, str]:
     """${placeholders} of model_repository/trtllm/* (names follow tensorrtllm_backend's fill_template keys)."""
     o, tp = plan.opts, plan.tensor_parallel
@@ -189,7 +197,10 @@ def trtllm_values(plan: BuildPlan, engine_dir: Path, tokenizer_dir: Path, adapte
         "lora_cache_host_memory_bytes": str(4 << 30) if plan.lora else "0",
         "lora_max_modules_layers": str(modules),
         "tokenizer_dir": str(tokenizer_dir), "adapters_dir": str(adapters_dir),
-        # TensorRT-LLM guided decoding (tensorrtllm_backend >= 0.19 reads these; docs/gpu_path.md)
+        # TensorRT-LLM guided decoding (tensorrtllm_backend >= 0.19 reads these; docs/gpu_path.md). On an older
+        # backend the guide inputs are declared but ignored: the output would be unconstrained, so the GPU
+        # preprocessing refuses response_format there (`guided_decoding` off) instead of serving it unchecked.
+        "guided_decoding": "on" if guided_decoding_supported(TRTLLM_VERSION) else "off",
         "guided_decoding_backend": "xgrammar",
         "xgrammar_tokenizer_info_path": str(Path(tokenizer_dir) / "xgrammar_tokenizer_info.json"),
         "max_context": str(plan.max_context), "dtype": plan.dtype, "tensor_parallel": str(tp),

@@ -132,6 +132,11 @@ def test_rendered_gpu_repository_parses_and_holds_the_settings(llama70b_dir: Pat
     assert tp["batch_scheduler_policy"] == "guaranteed_no_evict" and tp["gpu_device_ids"] == "0,1,2,3"
     assert tp["enable_chunked_context"] == "true" and tp["exclude_input_in_output"] == "true"
     assert "fp8 weights, KV cache fp8, tensor parallel 4" in (repo / "tensorrt_llm" / "config.pbtxt").read_text()
+    # the pinned backend (0.17) declares the guide inputs but ignores them: the preprocessing refuses
+    # response_format instead of serving unconstrained output as if it were constrained
+    assert params(cfgs["preprocessing"])["guided_decoding"] == "off"
+    assert not trtllm.guided_decoding_supported(trtllm.TRTLLM_VERSION)
+    assert trtllm.guided_decoding_supported("0.19.0") and trtllm.guided_decoding_supported("1.0.0")
     for step in trtllm.GPU_TEMPLATES:
         assert (repo / step / "1").is_dir()
     # Every tensor the ensemble feeds a step exists on that step, with the same data type.

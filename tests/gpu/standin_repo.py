@@ -21,6 +21,7 @@ def render_standin_repository(checkpoint: Path, out_dir: Path, adapters_dir: Pat
     plan = resolve(opts, inspect_checkpoint(str(checkpoint)))
     values = trtllm.trtllm_values(plan, checkpoint, checkpoint, adapters_dir)
     values["tokens_per_block"] = str(TOKENS_PER_BLOCK)
+    values["guided_decoding"] = "on"   # the stand-in applies the guide inputs, as tensorrtllm_backend >= 0.19 does
     # guided decoding's tokenizer file, as the trtllm build writes it (beside the served tokenizer there)
     info = out_dir / xgrammar_info.FILENAME
     values["xgrammar_tokenizer_info_path"] = str(info)

@@ -42,6 +42,7 @@ class TritonPythonModel:
         self.end_id, self.extra_eos = eos[0], [[i] for i in eos[1:]]
         self.adapters = Path(params["adapters_dir"])
         self.max_context = int(params["max_context"])
+        self.guided_decoding = params.get("guided_decoding") == "on"
         self.metrics = GpuCounters(pb_utils, ("fleet_engine_prefix_cache_queried_tokens_total",), replica_labels())
 
     def finalize(self):
@@ -86,6 +87,10 @@ class TritonPythonModel:
             sampling = json.loads(params.get("sampling") or "{}")
         except json.JSONDecodeError as exc:
             raise ValueError(f"request parameter sampling: not JSON ({exc})") from exc
+        if sampling.get("guided") and not self.guided_decoding:  # "refused: ": a 400 from the router, not retried
+            raise ValueError("refused: response_format: this GPU deployment's TensorRT-LLM backend does not apply "
+                             "guided decoding (needs tensorrtllm_backend >= 0.19; docs/gpu_path.md); send the "
+                             "request without response_format or to a model served by CPU engine replicas")
         extra, token_words = sampling_inputs(sampling)
         temperature = float(_opt(request, "temperature", 1.0))
         top_k = int(_opt(request, "top_k", 0)) if temperature > 0 else 1  # temperature 0 = greedy
