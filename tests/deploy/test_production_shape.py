@@ -141,6 +141,13 @@ def test_state_reports_reach_every_router_through_a_headless_service_the_replica
         assert svc["spec"].get("clusterIP") == "None", "a ClusterIP hands each report to one router only"
         assert any(p["port"] == parts.port for p in svc["spec"]["ports"])
         assert svc["spec"]["selector"] == {"app.kubernetes.io/name": "llm-router"}
+    # the autoscaler reads every router too (autoscale/signals.py merges their /admin/fleet): a headless name
+    autoscaler = next(d for d in _kind(objects, "Deployment") if d["metadata"]["name"] == "llm-autoscaler")
+    command = autoscaler["spec"]["template"]["spec"]["containers"][0]["command"]
+    signals_url = urlsplit(command[command.index("--router-url") + 1])
+    svc = next(s for s in _kind(objects, "Service") if s["metadata"]["name"] == signals_url.hostname)
+    assert svc["spec"].get("clusterIP") == "None", "a ClusterIP gives the autoscaler one router's view"
+    assert any(p["port"] == signals_url.port for p in svc["spec"]["ports"])
     router_policy = next(p for p in _kind(objects, "NetworkPolicy") if p["metadata"]["name"] == "llm-router-ingress")
     replica_labels = {"app.kubernetes.io/name": "llm-replica"}
     assert any(any(_selects(peer.get("podSelector", {}), replica_labels) for peer in rule.get("from", []))
