@@ -15,17 +15,28 @@ Server side: `TokenReviewer.pod_of(token)`; client side: `fetch_report_key(route
 from __future__ import annotations
 
 import json
-import os
 import ssl
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from common.settings import load_from_env
 
 KEY_PATH = "/internal/report-key"
 AUDIENCE = "llm-fleet-report"
 POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"  # what the API server puts in a pod-bound token's review
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MAX_TOKEN_BYTES = 16_384  # a projected token is ~1 kB; anything far larger is refused unread
+
+
+class KubeServiceEnv(BaseSettings):
+    """Where the kubelet says the API server is (every container gets these two variables)."""
+    model_config = SettingsConfigDict(extra="ignore", frozen=True)
+
+    kubernetes_service_host: str = ""
+    kubernetes_service_port: int = 443
 
 
 class KeyExchangeError(ValueError):
@@ -46,7 +57,8 @@ class TokenReviewer:
     @classmethod
     def in_cluster(cls) -> "TokenReviewer | None":
         """The reviewer of a pod with a ServiceAccount token mounted; None outside Kubernetes (no key exchange)."""
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        env = load_from_env(KubeServiceEnv)
+        host, port = env.kubernetes_service_host, env.kubernetes_service_port
         if not host or not (SA_DIR / "token").exists():
             return None
         netloc = f"[{host}]" if ":" in host else host
