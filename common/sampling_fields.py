@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 MAX_SPEC_BYTES = 65_536     # a structured-output schema or pattern, as JSON
+# What makes xgrammar's compile slow is bounded repetition: each distinct string length bound (minLength /
+# maxLength) costs ~0.7-1.9 s of one core here, each distinct `{m,n}` quantifier of a pattern ~0.1 s, so a
+# 64 KB schema of distinct bounds would hold a replica's compile thread for many minutes. Bounded per spec:
+MAX_LENGTH_BOUNDS = 8
+MAX_QUANTIFIERS = 32
+_QUANTIFIER = re.compile(r"(?<!\\)\{\s*\d*\s*,?\s*\d*\s*\}")
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300        # entries (OpenAI's own limit)
@@ -59,4 +66,28 @@ def spec_problem(spec) -> str:
         return "response_format: json_schema needs a `schema` object"
     if spec["type"] == "regex" and not isinstance(spec.get("pattern"), str):
         return "response_format: regex needs a `pattern` string"
+    return _cost_problem(spec.get("schema") if spec["type"] == "json_schema" else {"pattern": spec.get("pattern")})
+
+
+def _cost_problem(schema) -> str:
+    """The compile-cost bounds (MAX_LENGTH_BOUNDS, MAX_QUANTIFIERS) over a schema's nodes."""
+    length_bounds: set[tuple] = set()
+    quantifiers: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if "minLength" in node or "maxLength" in node:
+                length_bounds.add((str(node.get("minLength")), str(node.get("maxLength"))))
+            if isinstance(node.get("pattern"), str):
+                quantifiers.update(_QUANTIFIER.findall(node["pattern"]))
+            stack.extend(v for k, v in node.items() if k not in ("enum", "const", "default", "examples"))
+    if len(length_bounds) > MAX_LENGTH_BOUNDS:
+        return (f"response_format: {len(length_bounds)} distinct string length bounds (minLength/maxLength); at "
+                f"most {MAX_LENGTH_BOUNDS} per schema (each costs the grammar compiler about a second)")
+    if len(quantifiers) > MAX_QUANTIFIERS:
+        return (f"response_format: {len(quantifiers)} distinct repetition bounds ({{m,n}}) in patterns; at most "
+                f"{MAX_QUANTIFIERS} per schema or regex")
     return ""

@@ -12,6 +12,8 @@ The same transaction checks the caller's shared request and token rates (registr
 caller's row lock) and its team's budget (registry/budgets.py: the team-period `budget_spend` row is locked after
 every caller row, teams in name order, so the lock order is total and batches of several routers cannot wait on
 each other in a cycle): spent + live reservations + this request's worst case must stay within the amount.
+A key's own budget (optional, registry/budgets.py KEY) is checked the same way; its spend rows are locked
+after every caller row and before the team rows (callers in name order).
 """
 from __future__ import annotations
 
@@ -84,7 +86,8 @@ class LeaseRequest:
     team: str = ""
     requests_per_s: float = 0.0   # shared limits (0 = none)
     tokens_per_minute: int = 0
-    budget: BudgetAsk | None = None
+    budget: BudgetAsk | None = None       # the team's budget
+    key_budget: BudgetAsk | None = None   # the key's own budget
 
 
 def admit_many(session: Session, requests: Sequence[LeaseRequest], *, day: str, router_id: str,
@@ -105,13 +108,18 @@ def admit_many(session: Session, requests: Sequence[LeaseRequest], *, day: str, 
         rates = (rate_limits.row_for(session, caller)
                  if any(requests[i].requests_per_s or requests[i].tokens_per_minute for i in by_caller[caller]) else None)
         state[caller] = [used, count, reserved, rates]
+    keys: dict[tuple[str, str], float] = {}   # (caller, period) -> spent + reserved of the key's own budget
+    for caller, period in sorted({(r.caller, r.key_budget.period) for r in requests if r.key_budget is not None}):
+        keys[caller, period] = budgets.lock_spend(session, caller, period, budgets.KEY) + \
+            budgets.reserved(session, caller, period, now, budgets.KEY)
     teams: dict[tuple[str, str], float] = {}  # (team, period) -> spent + reserved
     for team, period in sorted({(r.team, r.budget.period) for r in requests if r.budget is not None}):
         teams[team, period] = budgets.lock_spend(session, team, period) + budgets.reserved(session, team, period, now)
     for i, r in enumerate(requests):
         used, count, reserved, rates = state[r.caller]
-        b = r.budget
+        b, kb = r.budget, r.key_budget
         committed = teams.get((r.team, b.period), 0.0) if b is not None else 0.0
+        key_committed = keys.get((r.caller, kb.period), 0.0) if kb is not None else 0.0
         if r.max_concurrent and count >= r.max_concurrent:
             out[i] = QuotaRefused("concurrency", f"concurrency: caller {r.caller!r} has {count} requests in "
                                                  f"flight; its cap is {r.max_concurrent}")
@@ -122,7 +130,10 @@ def admit_many(session: Session, requests: Sequence[LeaseRequest], *, day: str, 
                                            f"(prompt + max_tokens)")
             continue
         if b is not None and b.enforce and committed + b.cost > b.amount:
-            out[i] = _budget_refusal(r.team, b, committed, now)
+            out[i] = _budget_refusal(f"team {r.team!r}", b, committed, now)
+            continue
+        if kb is not None and kb.enforce and key_committed + kb.cost > kb.amount:
+            out[i] = _budget_refusal(f"key {r.caller!r}", kb, key_committed, now)
             continue
         if rates is not None:
             refused = rate_limits.take(rates, now, r.requests_per_s, r.tokens_per_minute, r.tokens)
@@ -130,19 +141,21 @@ def admit_many(session: Session, requests: Sequence[LeaseRequest], *, day: str, 
                 out[i] = QuotaRefused("rate", refused.message, refused.retry_ms)
                 continue
         state[r.caller][1:3] = [count + 1, reserved + r.tokens]
-        warning = None
+        warnings = []
         if b is not None:
             teams[r.team, b.period] = committed + b.cost
-            if committed + b.cost >= b.soft_share * b.amount:
-                warning = (f"team {r.team!r} has used or reserved {_amount(committed + b.cost, b.unit)} of its "
-                           f"{_ADJECTIVE[b.period_kind]} budget of {_amount(b.amount, b.unit)} ({b.period}; resets "
-                           f"{budgets.resets_at(b.period_kind, now).isoformat()})")
-        out[i] = Admitted(warning)
+            warnings.append(_soft_warning(f"team {r.team!r}", b, committed, now))
+        if kb is not None:
+            keys[r.caller, kb.period] = key_committed + kb.cost
+            warnings.append(_soft_warning(f"key {r.caller!r}", kb, key_committed, now))
+        out[i] = Admitted("; ".join(w for w in warnings if w) or None)
         session.add(InflightLease(lease_id=r.lease_id, caller=r.caller, day=day, router_id=router_id,
                                   reserved_tokens=r.tokens, expires_at=now + LEASE_TTL_S, team=r.team,
                                   budget_period=b.period if b is not None else "",
                                   budget_reserved=b.cost if b is not None else 0.0,
-                                  tpm_minute=int(now // rate_limits.MINUTE_S) if rates is not None else 0))
+                                  tpm_minute=int(now // rate_limits.MINUTE_S) if rates is not None else 0,
+                                  key_budget_period=kb.period if kb is not None else "",
+                                  key_budget_reserved=kb.cost if kb is not None else 0.0))
     return out
 
 
@@ -153,9 +166,19 @@ def _amount(value: float, unit: str) -> str:
     return f"{value:,.0f} tokens" if unit == "tokens" else f"{value:,.6f}"
 
 
-def _budget_refusal(team: str, b: BudgetAsk, committed: float, now: float) -> QuotaRefused:
+def _soft_warning(owner: str, b: BudgetAsk, committed: float, now: float) -> str | None:
+    """The soft-limit warning once the owner's committed spend with this request reaches the soft share."""
+    if committed + b.cost < b.soft_share * b.amount:
+        return None
+    return (f"{owner} has used or reserved {_amount(committed + b.cost, b.unit)} of its "
+            f"{_ADJECTIVE[b.period_kind]} budget of {_amount(b.amount, b.unit)} ({b.period}; resets "
+            f"{budgets.resets_at(b.period_kind, now).isoformat()})")
+
+
+def _budget_refusal(owner: str, b: BudgetAsk, committed: float, now: float) -> QuotaRefused:
+    """owner: "team 'search'" or "key 'alice'"."""
     reset = budgets.resets_at(b.period_kind, now)
-    return QuotaRefused("budget", f"budget exhausted: team {team!r} has used or reserved {_amount(committed, b.unit)} "
+    return QuotaRefused("budget", f"budget exhausted: {owner} has used or reserved {_amount(committed, b.unit)} "
                                   f"of its {_ADJECTIVE[b.period_kind]} budget of {_amount(b.amount, b.unit)} ({b.unit}) for "
                                   f"{b.period}; this request needs up to {_amount(b.cost, b.unit)}; the budget "
                                   f"resets at {reset.isoformat()}", max(1000, int((reset.timestamp() - now) * 1000)))
@@ -171,14 +194,16 @@ def admit(session: Session, *, lease_id: str, caller: str, day: str, router_id: 
 
 
 def settle_many(session: Session, used: Sequence[tuple]) -> None:
-    """End leases (lease id, tokens the request really used[, what it cost in its team budget's unit]) and count
-    those tokens on each lease's day, the cost on its budget period, and give back the token-rate reservation
-    it did not use (idempotent: a lease already gone is skipped). Rows are locked in admit_many's order."""
+    """End leases (lease id, tokens the request really used[, what it cost in its team budget's unit[, in its key
+    budget's unit]]) and count those tokens on each lease's day, the costs on its budget periods, and give back
+    the token-rate reservation it did not use (idempotent: a lease already gone is skipped). Rows are locked in
+    admit_many's order: callers, keys' spend, teams' spend."""
     leases = {lease.lease_id: lease for lease in
               session.scalars(select(InflightLease).where(InflightLease.lease_id.in_([u[0] for u in used])))}
     totals: dict[tuple[str, str], int] = {}
     unused: dict[str, list[tuple[int, int]]] = {}
     spend: dict[tuple[str, str], float] = {}
+    key_spend: dict[tuple[str, str], float] = {}
     for lease_id, actual, *cost in used:
         lease = leases.get(lease_id)
         if lease is None:
@@ -190,12 +215,17 @@ def settle_many(session: Session, used: Sequence[tuple]) -> None:
         if lease.budget_period:
             spend[lease.team, lease.budget_period] = spend.get((lease.team, lease.budget_period), 0.0) + (
                 cost[0] if cost else 0.0)
+        if lease.key_budget_period:
+            key_spend[lease.caller, lease.key_budget_period] = key_spend.get(
+                (lease.caller, lease.key_budget_period), 0.0) + (cost[1] if len(cost) > 1 else 0.0)
     for caller, day in sorted(totals):
         _lock_usage_row(session, caller, day)
         session.execute(update(QuotaUsage).where(QuotaUsage.caller == caller, QuotaUsage.day == day)
                         .values(used_tokens=QuotaUsage.used_tokens + totals[caller, day]))
         for minute, tokens in unused.get(caller, ()):
             rate_limits.give_back(rate_limits.row_for(session, caller), minute, tokens)
+    for (caller, period), amount in sorted(key_spend.items()):
+        budgets.add_spend(session, caller, period, amount, budgets.KEY)
     for (team, period), amount in sorted(spend.items()):
         budgets.add_spend(session, team, period, amount)
     if leases:

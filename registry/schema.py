@@ -126,6 +126,8 @@ class InflightLease(Base):
     budget_period: Mapped[str] = mapped_column(String(10), default="")  # '' = its team had no budget
     budget_reserved: Mapped[float] = mapped_column(Float, default=0.0)  # worst case in the budget's unit
     tpm_minute: Mapped[int] = mapped_column(BigInteger, default=0)  # unix minute its tokens were counted in
+    key_budget_period: Mapped[str] = mapped_column(String(10), default="")  # '' = its key had no budget
+    key_budget_reserved: Mapped[float] = mapped_column(Float, default=0.0)  # worst case in the key budget's unit
 
 
 class CallerRate(Base):
@@ -147,6 +149,15 @@ class BudgetSpend(Base):
     __tablename__ = "budget_spend"
     team: Mapped[str] = mapped_column(String(128), primary_key=True)
     period: Mapped[str] = mapped_column(String(10), primary_key=True)  # '2026-12' (month) or '2026-12-04' (day)
+    spent: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class KeyBudgetSpend(Base):
+    """What one API key's settled requests cost in one budget period (its key budget's unit), shared by every
+    router; reservations of its requests in flight are their leases' `key_budget_reserved`."""
+    __tablename__ = "key_budget_spend"
+    caller: Mapped[str] = mapped_column(String(128), primary_key=True)
+    period: Mapped[str] = mapped_column(String(10), primary_key=True)
     spent: Mapped[float] = mapped_column(Float, default=0.0)
 
 
@@ -199,6 +210,20 @@ class TeamBudget(Base):
     unit: Mapped[str] = mapped_column(String(8), default="money")  # money (priced by chargeback's rates) | tokens
     soft_share: Mapped[float] = mapped_column(Float, default=0.8)  # warn callers from this share of the amount
     enforce: Mapped[bool] = mapped_column(Boolean, default=True)  # refuse new requests at 100 % (hard limit)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_by: Mapped[str] = mapped_column(String(128), default="")
+
+
+class KeyBudget(Base):
+    """One API key's budget (optional, besides its team's): the same fields and enforcement as TeamBudget."""
+    __tablename__ = "key_budgets"
+    caller: Mapped[str] = mapped_column(String(128), ForeignKey("callers.name", ondelete="CASCADE"), primary_key=True)
+    monthly_amount: Mapped[float] = mapped_column(Float)  # the amount per `period`
+    currency: Mapped[str] = mapped_column(String(8))
+    period: Mapped[str] = mapped_column(String(8), default="month")
+    unit: Mapped[str] = mapped_column(String(8), default="money")
+    soft_share: Mapped[float] = mapped_column(Float, default=0.8)
+    enforce: Mapped[bool] = mapped_column(Boolean, default=True)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_by: Mapped[str] = mapped_column(String(128), default="")
 

@@ -47,8 +47,9 @@ def _event(p: Prepared, finish: Finished | None, status: str, reason: str, compl
     return UsageEvent(
         request_id=req.request_id, ts=time.time(), caller=p.caller.name, team=p.caller.team,
         model=p.model.name, version=p.model.version, adapter=req.adapter, priority=req.tier,
-        region=p.home, replica_id=replica_id, prompt_tokens=len(p.prompt_ids),
-        cached_prompt_tokens=finish.cached_prompt_tokens if finish else 0, completion_tokens=completion_tokens,
+        region=p.home, replica_id=replica_id, prompt_tokens=len(p.prompt_ids) if req.bill_prompt else 0,
+        cached_prompt_tokens=finish.cached_prompt_tokens if finish and req.bill_prompt else 0,
+        completion_tokens=completion_tokens,
         ttft_ms=round((first_token_at - p.arrived) * 1000, 3) if first_token_at else 0.0,
         duration_ms=round((now - p.arrived) * 1000, 3), finish_reason=reason, status=status)
 
@@ -64,7 +65,7 @@ def account(producer, p: Prepared, finish: Finished | None, status: str, complet
     now = time.monotonic()
     tracing.finished(status, reason, len(p.prompt_ids), completion_tokens,
                      first_token_at - p.arrived if first_token_at is not None else None)
-    metrics.REQUESTS.labels(req.model, req.tier, status, reason).inc()
+    metrics.REQUESTS.labels(req.model, req.tier, status).inc()
     metrics.TOKENS.labels(req.model, req.tier).inc(completion_tokens)
     metrics.PROMPT_TOKENS.labels(req.model, req.tier).inc(len(p.prompt_ids))
     if finish is not None:

@@ -1,11 +1,15 @@
 """Admin endpoints for team budgets and automatic rollback rules (registered by admin_api.admin_router).
 
-- GET  /admin/budgets                       viewer: every team's budget with the routers' spend and reservations
-                                            in its current period
+- GET  /admin/budgets                       viewer: every team's budget (`budgets`) and every key's own budget
+                                            (`key_budgets`) with the routers' spend and reservations in its
+                                            current period
 - PUT  /admin/budgets/{team}                operator: {monthly_amount, period, unit, soft_share, enforce}: the
                                             amount per period (month|day) in the platform currency or tokens
                                             (audited)
 - DELETE /admin/budgets/{team}              operator (audited)
+- PUT  /admin/callers/{name}/budget         operator: the same body, one API key's own budget, enforced besides its
+                                            team's (audited: set_key_budget)
+- DELETE /admin/callers/{name}/budget       operator (audited: delete_key_budget)
 - PUT  /admin/callers/{name}/limits         operator: {requests_per_s, tokens_per_minute}, shared by every
                                             router, 0 = none (audited)
 - PUT  /admin/teams/{team}/weight           operator: {weight}, the team's fair share in a busy tier (audited)
@@ -71,11 +75,14 @@ def register_budget_and_rule_routes(api: APIRouter, role_of: Callable[[Request, 
     @api.get("/budgets")
     async def list_budgets(request: Request):
         role_of(request, "viewer")
-        def rows(s):
-            spend = budgets.spend_rows(s)
-            return [{"team": b.team, **budgets.budget_dict(b), "updated_at": b.updated_at.isoformat(),
-                     "updated_by": b.updated_by, **spend.get(b.team, {})} for b in budgets.list_budgets(s)]
-        return {"currency": currency, "budgets": await read(rows)}
+        def rows(s, scope: budgets.Scope):
+            spend = budgets.spend_rows(s, scope=scope)
+            owner = scope.owner_attr
+            return [{owner: getattr(b, owner), **budgets.budget_dict(b), "updated_at": b.updated_at.isoformat(),
+                     "updated_by": b.updated_by, **spend.get(getattr(b, owner), {})}
+                    for b in budgets.list_budgets(s, scope)]
+        return {"currency": currency, "budgets": await read(lambda s: rows(s, budgets.TEAM)),
+                "key_budgets": await read(lambda s: rows(s, budgets.KEY))}
 
     @api.put("/budgets/{team}")
     async def put_budget(team: str, body: BudgetBody, request: Request):
@@ -83,6 +90,20 @@ def register_budget_and_rule_routes(api: APIRouter, role_of: Callable[[Request, 
         return await write(lambda s: budgets.set_budget(s, team, body.monthly_amount, currency, actor=actor,
                                                         period=body.period, unit=body.unit,
                                                         soft_share=body.soft_share, enforce=body.enforce))
+
+    @api.put("/callers/{name}/budget")
+    async def put_key_budget(name: str, body: BudgetBody, request: Request):
+        actor = role_of(request, "operator")
+        return await write(lambda s: budgets.set_budget(s, name, body.monthly_amount, currency, actor=actor,
+                                                        period=body.period, unit=body.unit, soft_share=body.soft_share,
+                                                        enforce=body.enforce, scope=budgets.KEY))
+
+    @api.delete("/callers/{name}/budget")
+    async def delete_key_budget(name: str, request: Request):
+        actor = role_of(request, "operator")
+        if not await write(lambda s: budgets.delete_budget(s, name, actor=actor, scope=budgets.KEY)):
+            raise RouterError("not_found", f"caller {name!r} has no budget of its own")
+        return {"caller": name, "deleted": True}
 
     @api.put("/callers/{name}/limits")
     async def put_limits(name: str, body: LimitsBody, request: Request):

@@ -1,6 +1,7 @@
-"""Team budgets at admission: what a request may cost (its worst case, prompt + max_tokens) and what it did
-cost, in its team budget's unit, priced with the same per-model rates chargeback uses (usage/store.py `prices`:
-uncached prompt at the prefill rate, cached prompt at the cached rate, completion at the decode rate).
+"""Budgets at admission (a team's, and optionally its API key's own): what a request may cost (its worst case,
+prompt + max_tokens) and what it did cost, in each budget's unit, priced with the same per-model rates
+chargeback uses (usage/store.py `prices`: uncached prompt at the prefill rate, cached prompt at the cached
+rate, completion at the decode rate).
 
 The shared check and reservation are registry/quotas.py's (one transaction with the caller's quota lease);
 this module only turns a request into a `BudgetAsk` and a finished request into its cost. Prices are re-read

@@ -8,6 +8,7 @@ before any byte is streamed; on success a replica slot is reserved), then iterat
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -141,7 +142,7 @@ class Router:
         size = len(req.prompt_text or "") if req.chat_messages is None else sum(len(m["content"]) for m in req.chat_messages)
         loaded = self.tokenizers.loaded(model.weights_uri)
         if req.chat_messages is not None:
-            fn, arg = self.tokenizers.encode_chat, req.chat_messages
+            fn, arg = functools.partial(self.tokenizers.encode_chat, tools=req.tools), req.chat_messages
         else:
             fn, arg = self.tokenizers.encode, req.prompt_text or ""
         if loaded and size <= INLINE_TOKENIZE_CHARS:

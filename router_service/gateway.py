@@ -6,7 +6,9 @@ tier and adapter rights are checked in `visibility.resolve_model`. This module h
 
 Quotas: at admission a request reserves prompt + max_tokens tokens and one concurrency slot in a lease row
 (registry/quotas.py); when it ends the reservation is replaced by what it really used (prompt + completion).
-Several routers share the rows, a restart forgets nothing, and a dead router's leases lapse.
+Several routers share the rows, a restart forgets nothing, and a dead router's leases lapse. The same lease
+carries the caller's shared request and token rates and the worst case reserved against its team's budget and
+its key's own (registry/quotas.py), settled to what the request used.
 """
 from __future__ import annotations
 
@@ -82,7 +84,8 @@ class QuotaLedger:
         self.router_id = router_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.prices = prices or PriceBook()
         self.leases: dict[str, str] = {}  # lease id -> caller, for the leases this router holds
-        self.budgeted: dict[str, tuple[BudgetInfo, str]] = {}  # lease id -> (budget, model) it settles against
+        # lease id -> (team budget, key budget, model) it settles against
+        self.budgeted: dict[str, tuple[BudgetInfo | None, BudgetInfo | None, str]] = {}
         # A router's quota writes take turns, each turn one transaction for every write queued by then
         # (GroupCommit). On SQLite (one writer at a time) a writer that finds the file locked sleeps in SQLite's
         # busy handler (steps of 1-100 ms): 32 requests arriving together spent 141 ms each in dispatch on
@@ -90,7 +93,7 @@ class QuotaLedger:
         # renewals (which lock the same lease rows) from deadlocking.
         self._turn = threading.Lock()
         self._admissions: GroupCommit[quotas.LeaseRequest] = GroupCommit(self._admit_batch)
-        self._settles: GroupCommit[tuple[str, int, float]] = GroupCommit(self._settle_batch)
+        self._settles: GroupCommit[tuple[str, int, float, float]] = GroupCommit(self._settle_batch)
 
     def _admit_batch(self, items: Sequence[quotas.LeaseRequest]) -> list[object]:
         """Admit leases queued together in one transaction (GroupCommit, quotas.admit_many): None for each
@@ -123,27 +126,30 @@ class QuotaLedger:
     async def admit_caller(self, caller: CallerInfo, budget: BudgetInfo | None, lease_id: str, model: str,
                            prompt_tokens: int, max_tokens: int) -> str | None:
         """`reserve` with everything the caller's key and team ask of every router: quota, concurrency, request
-        and token rates, and the team budget's worst case (prompt + max_tokens priced)."""
+        and token rates, and the worst case (prompt + max_tokens priced) against the team's budget and the key's
+        own (`caller.budget`)."""
         claim = ask(budget, self.prices, model, prompt_tokens, max_tokens)
+        key_claim = ask(caller.budget, self.prices, model, prompt_tokens, max_tokens)
         warning = await self.reserve(lease_id, caller.name, caller.token_quota_per_day, prompt_tokens + max_tokens,
                                      caller.max_concurrent, team=caller.team, requests_per_s=caller.requests_per_s,
-                                     tokens_per_minute=caller.tokens_per_minute, budget=claim)
-        if budget is not None:
-            self.budgeted[lease_id] = (budget, model)
+                                     tokens_per_minute=caller.tokens_per_minute, budget=claim, key_budget=key_claim)
+        if budget is not None or caller.budget is not None:
+            self.budgeted[lease_id] = (budget, caller.budget, model)
         return warning
 
     async def settle_request(self, lease_id: str, prompt: int, cached: int, completion: int) -> None:
-        """Settle a request's lease to what it used: tokens, and its cost in the team budget's unit."""
-        budget, model = self.budgeted.pop(lease_id, (None, ""))
+        """Settle a request's lease to what it used: tokens, and its cost in each budget's unit (team, key)."""
+        budget, key_budget, model = self.budgeted.pop(lease_id, (None, None, ""))
         await self.settle_off_loop(lease_id, prompt + completion,
-                                   settled_cost(budget, self.prices, model, prompt, cached, completion))
+                                   settled_cost(budget, self.prices, model, prompt, cached, completion),
+                                   settled_cost(key_budget, self.prices, model, prompt, cached, completion))
 
-    def settle(self, lease_id: str, actual: int, cost: float = 0.0) -> None:
+    def settle(self, lease_id: str, actual: int, cost: float = 0.0, key_cost: float = 0.0) -> None:
         """Replace a lease's reservation by the tokens the request really used (idempotent; never raises)."""
         self.budgeted.pop(lease_id, None)
-        self._settle_batch([(lease_id, actual, cost)])
+        self._settle_batch([(lease_id, actual, cost, key_cost)])
 
-    def _settle_batch(self, items: Sequence[tuple[str, int, float]]) -> list[object]:
+    def _settle_batch(self, items: Sequence[tuple[str, int, float, float]]) -> list[object]:
         mine = [item for item in items if self.leases.pop(item[0], None) is not None]
         if mine:
             try:
@@ -153,13 +159,13 @@ class QuotaLedger:
                 log.warning("could not settle quota leases %s: %s", ", ".join(item[0] for item in mine), exc)
         return [None] * len(items)
 
-    async def settle_off_loop(self, lease_id: str, actual: int, cost: float = 0.0) -> None:
+    async def settle_off_loop(self, lease_id: str, actual: int, cost: float = 0.0, key_cost: float = 0.0) -> None:
         """`settle`, its write on a worker thread, together with the other settles queued by then: a SQLite
         write of ~2.4 ms (more while admissions take their turns) at the end of every request held up every
         other stream's tokens on the event loop. The caller resumes once it is written, so a slot given back
         is free for the caller's next request, on any router."""
         if lease_id in self.leases:
-            await self._settles.submit((lease_id, actual, cost))
+            await self._settles.submit((lease_id, actual, cost, key_cost))
 
     def usage_today(self, caller: str) -> dict:
         with session_scope(self.db_url) as s:

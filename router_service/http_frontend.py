@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import dataclasses
 import time
 
 from fastapi import FastAPI, Request
@@ -25,8 +25,9 @@ from common.names import CLIENT_ID_RE, CLIENT_ID_RULE
 from router_service.errors import RouterError, invalid
 from router_service.http_body import parse_json, read_body
 from router_service.metrics import prometheus_page
+from router_service.openai_response import choice, sse, usage
 from router_service.openai_schema import ChatBody, CompletionBody
-from router_service.request import TIERS, Finished, Prepared, TokenDelta
+from router_service.request import MAX_N, TIERS, Finished, GenerateRequest, Prepared
 from router_service.tracing import FASTAPI_TELEMETRY, TracingMiddleware
 from router_service.visibility import visible_models
 
@@ -102,42 +103,50 @@ def create_app(router: Router) -> FastAPI:
         body = await _parse(request, schema)
         req = body.request()
         req.client_id = _client_id(request)
-        prepared = await router.prepare(caller, req)
+        plan = body.tool_plan() if chat else None
+        prepared: list[Prepared] = []
+        try:   # `n` choices are n requests sharing the prompt (the choices' own seeds; the prompt billed once)
+            for r in [req] + [fork(req, i) for i in range(1, body.n)]:
+                prepared.append(await router.prepare(caller, r))
+        except BaseException:
+            for p in prepared:
+                router.release_unstarted(p)
+            raise
         headers = {"x-request-id": req.client_id or req.request_id, "x-fleet-request-id": req.request_id}
         if body.stream:
-            # The first item is awaited before the status line, so a refusal (engine, replicas) is a 4xx/5xx
-            # with its message; after that, errors travel in-band. The background task frees the slot if the
-            # caller left before streaming began.
-            stream = router.stream(prepared)
+            # The first items are awaited before the status line, so a refusal (engine, replicas) is a 4xx/5xx
+            # with its message; after that, errors travel in-band. Choice 0 goes first: once it has a token its
+            # prompt's blocks are in the replica's prefix cache, which the other choices then reuse. The
+            # background task frees the slots of choices whose stream never ran.
+            streams = [router.stream(p) for p in prepared]
             try:
-                first = await _until_disconnected(request, anext(stream))
+                firsts = [await _until_disconnected(request, anext(streams[0]))]
+                if firsts[0] is not None and len(streams) > 1:
+                    rest = await _until_disconnected(request, _first_items(streams[1:]))
+                    firsts = None if rest is None else firsts + list(rest)
             except BaseException:
-                await stream.aclose()
-                router.release_unstarted(prepared)
+                await _close_all(router, streams, prepared)
                 raise
-            if first is None:
-                await stream.aclose()
+            if firsts is None or firsts[0] is None:
+                await _close_all(router, streams, prepared)
                 return Response(status_code=499)
-            return StreamingResponse(_sse(router, first, stream, prepared, chat, body.include_usage),
+            sources = [_source(f, s) for f, s in zip(firsts, streams)]
+            return StreamingResponse(sse(router, sources, prepared, chat, body.include_usage, plan),
                                      media_type="text/event-stream",
-                                     headers={**headers, **warning_headers(prepared)},
-                                     background=BackgroundTask(router.release_unstarted, prepared))
+                                     headers={**headers, **warning_headers(prepared[0])},
+                                     background=BackgroundTask(_release_all, router, prepared))
         try:
-            items = await _until_disconnected(request, _collect(router.stream(prepared)))
+            collected = await _until_disconnected(request, _collect_all(router, prepared))
         finally:
-            router.release_unstarted(prepared)
-        if items is None:  # the caller left: generation was stopped; nobody reads this answer
+            _release_all(router, prepared)
+        if collected is None:  # the caller left: generation was stopped; nobody reads this answer
             return Response(status_code=499)
-        text = "".join(i.text for i in items if isinstance(i, TokenDelta))
-        final = next(i for i in items if isinstance(i, Finished))
-        lps = _logprobs(router, prepared, [i for i in items if isinstance(i, TokenDelta)], chat)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
-                   "finish_reason": final.finish_reason}
-                  if chat else {"index": 0, "text": text, "finish_reason": final.finish_reason, "logprobs": lps})
-        return JSONResponse({"id": prepared.req.request_id, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": prepared.model.name,
-                             "system_fingerprint": prepared.model.version, "choices": [choice],
-                             "usage": _usage(final), **warning_fields(prepared)}, headers=headers)
+        choices = [choice(router, i, p, items, chat, plan) for i, (p, items) in enumerate(zip(prepared, collected))]
+        finals = [next(i for i in items if isinstance(i, Finished)) for items in collected]
+        return JSONResponse({"id": req.request_id, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": prepared[0].model.name,
+                             "system_fingerprint": prepared[0].model.version, "choices": choices,
+                             "usage": usage(finals), **warning_fields(prepared[0])}, headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -149,9 +158,13 @@ def create_app(router: Router) -> FastAPI:
 
     @app.post("/v1/requests/{request_id}/cancel")
     async def cancel_request(request_id: str, request: Request):
-        """Cancel one of the caller's own in-flight requests by id (the `id` of its completion)."""
+        """Cancel one of the caller's own in-flight requests by id (the `id` of its completion), with all its
+        `n` choices (router ids `<id>-<i>`, see fork)."""
         caller = router.authenticate(_bearer(request))
         router.cancel(request_id, caller)
+        for i in range(1, MAX_N):
+            with contextlib.suppress(RouterError):   # choices already finished, or an n smaller than i
+                router.cancel(f"{request_id}-{i}", caller)
         return {"id": request_id, "cancelled": True}
 
     app.include_router(admin_router(router))
@@ -215,76 +228,58 @@ async def _until_disconnected(request: Request, awaitable):
     return None
 
 
-def _usage(final: Finished) -> dict:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": final.cached_prompt_tokens}}
+def fork(req: GenerateRequest, i: int) -> GenerateRequest:
+    """Choice i (> 0) of an `n` request: id `<id>-<i>` (its usage event's key), its own seed (seed + i when the
+    caller set one), no prompt billing."""
+    seed = (req.seed + i) % 2**64 if req.seed is not None else None
+    return dataclasses.replace(req, request_id=f"{req.request_id}-{i}", seed=seed, bill_prompt=False)
 
 
-def _logprobs(router: Router, p: Prepared, deltas: list[TokenDelta], chat: bool) -> dict | None:
-    """OpenAI's logprobs object of these deltas (chat: `content` entries; completions: the legacy lists).
-    Each token's text is the id decoded alone."""
-    if not (p.req.logprobs or p.req.top_logprobs):
-        return None
-    tok = router.tokenizers.get(p.model.weights_uri)
-    pairs = [(i, lp) for d in deltas for i, lp in zip(d.token_ids, d.logprobs or [])]
-
-    def text(token_id: int) -> str:
-        return tok.decode([token_id])
-    if chat:
-        def entry(t: int, lp: float) -> dict:
-            s = text(t)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-        return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]} for t, (lp, top) in pairs]}
-    offsets, at = [], 0
-    for t, _ in pairs:
-        offsets.append(at)
-        at += len(text(t))
-    return {"tokens": [text(t) for t, _ in pairs], "token_logprobs": [lp for _, (lp, _) in pairs],
-            "top_logprobs": [{text(i): v for i, v in top} for _, (_, top) in pairs], "text_offset": offsets}
-
-
-def _chunk(item: TokenDelta | Finished, chat: bool, first: bool, logprobs: dict | None = None) -> dict:
-    """The one choice of a streamed chunk."""
-    if isinstance(item, TokenDelta):
-        if chat:
-            delta = {"role": "assistant", "content": item.text} if first else {"content": item.text}
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}
-        return {"index": 0, "text": item.text, "logprobs": logprobs, "finish_reason": None}
-    if chat:
-        return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": item.finish_reason}
-    return {"index": 0, "text": "", "logprobs": None, "finish_reason": item.finish_reason}
-
-
-async def _sse(router: Router, first_item: TokenDelta | Finished, stream, prepared: Prepared, chat: bool,
-               include_usage: bool):
-    """Server-sent events as OpenAI streams them. With `stream_options.include_usage` every chunk carries
-    `usage: null` and one last chunk has `choices: []` and the usage; without it the finishing chunk carries
-    the usage (an extension the SDKs ignore). Usage is metered either way."""
-    req, created = prepared.req, int(time.time())
-    base = {"id": req.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": prepared.model.name, "system_fingerprint": prepared.model.version}
-    if include_usage:
-        base["usage"] = None
-    first = True
-
-    async def items():
-        yield first_item
+async def _source(first, stream):
+    try:
+        yield first
         async for item in stream:
             yield item
-    try:
-        async for item in items():
-            lps = _logprobs(router, prepared, [item], chat) if isinstance(item, TokenDelta) else None
-            chunk = {**base, "choices": [_chunk(item, chat, first, lps)]}
-            if isinstance(item, TokenDelta):
-                first = False
-            elif not include_usage:
-                chunk["usage"] = _usage(item)
-            yield f"data: {json.dumps(chunk)}\n\n"
-            if isinstance(item, Finished) and include_usage:
-                yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage(item)})}\n\n"
-    except RouterError as exc:  # after the stream started, errors travel in-band, in OpenAI's error shape
-        yield f"data: {json.dumps(exc.openai())}\n\n"
     finally:
         await stream.aclose()
-    yield "data: [DONE]\n\n"
+
+
+async def _collect_all(router: Router, prepared: list[Prepared]) -> list[list]:
+    """Every choice's items; choice 0 alone until its first token (its prompt blocks then serve the rest)."""
+    streams = [router.stream(p) for p in prepared]
+    tasks: list[asyncio.Future] = []
+    try:
+        first = await anext(streams[0])
+        tasks = [asyncio.ensure_future(_collect(s)) for s in streams[1:]]
+        head = await _collect(streams[0])
+        return [[first] + head] + [await t for t in tasks]
+    finally:
+        await _stop(tasks)
+        for s in streams:
+            await s.aclose()
+
+
+async def _first_items(streams: list) -> list:
+    tasks = [asyncio.ensure_future(anext(s)) for s in streams]
+    try:
+        return [await t for t in tasks]
+    finally:
+        await _stop(tasks)
+
+
+async def _stop(tasks: list[asyncio.Future]) -> None:
+    """Cancel and await `tasks` (a stream must not be closed while a task still iterates it)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close_all(router: Router, streams: list, prepared: list[Prepared]) -> None:
+    for s in streams:
+        await s.aclose()
+    _release_all(router, prepared)
+
+
+def _release_all(router: Router, prepared: list[Prepared]) -> None:
+    for p in prepared:
+        router.release_unstarted(p)

@@ -10,9 +10,9 @@ RATE_BUCKETS = (1, 2, 5, 10, 20, 40, 60, 100, 200, 500)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 LENGTH_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
+# the outcome only: why a stream ended is fleet_router_finished_total's finish_reason (one family per question)
 REQUESTS = Counter("fleet_router_requests_total", "Requests finished, by model, tier, outcome (ok, error, "
-                   "cancelled) and finish reason (stop, length, deadline, cancelled, error)",
-                   ["model", "tier", "status", "finish_reason"])
+                   "cancelled)", ["model", "tier", "status"])
 REJECTED = Counter("fleet_router_rejected_total", "Requests refused before routing, by error code", ["code"])
 TTFT = Histogram("fleet_router_ttft_seconds", "Time from request arrival to first streamed token",
                  ["model", "tier"], buckets=LATENCY_BUCKETS)

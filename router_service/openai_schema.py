@@ -4,7 +4,8 @@ OpenAI semantics kept here: an explicit JSON `null` means the field is absent (t
 content may be a string or an array of text parts, `developer` is the newer name of `system`, and an
 absent `max_tokens` means the rest of the context (resolved in GenerateRequest.check_prompt_fits). Fields
 the platform does not implement are refused with a 400 naming the field and what is allowed, never
-silently ignored; docs/api.md lists every field.
+silently ignored; docs/api.md lists every field. Tools: router_service/tools.py (definitions, rendering,
+the forced-call grammar) and tool_output.py (the output as `tool_calls`).
 """
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from common.sampling_fields import spec_problem
 from router_service.errors import invalid
 from router_service.kserve_codec import deadline_from_param, tier_from_param
-from router_service.request import MAX_CHAT_MESSAGES, GenerateRequest
+from router_service.request import MAX_CHAT_MESSAGES, MAX_N, MAX_SESSION_CHARS, GenerateRequest
+from router_service.tool_output import ToolPlan
+from router_service.tools import (MAX_TOOL_CALL_ID_CHARS, MAX_TOOLS, NamedToolChoice, ToolCall, ToolChoice, ToolDef,
+                                  check_tools, forced_spec)
 
 MAX_CONTENT_PARTS = 256
 
@@ -78,7 +83,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    user: str | None = None
+    user: str | None = Field(None, max_length=MAX_SESSION_CHARS)  # the rollout stickiness key when no session
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -102,8 +107,8 @@ class _Common(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """Fields the SDKs send whose non-default values this platform does not implement: a clear 400."""
-        if self.n != 1:
-            raise invalid("n", f"only 1 choice per request is supported, got {self.n}; send separate requests")
+        if not 1 <= self.n <= MAX_N:
+            raise invalid("n", f"must be between 1 and {MAX_N}, got {self.n}")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "is only allowed with stream: true")
 
@@ -155,6 +160,9 @@ class CompletionBody(_Common):
     def logprob_fields(self) -> tuple[bool, int]:
         return self.logprobs is not None, self.logprobs or 0
 
+    def tool_plan(self) -> None:
+        return None
+
     def request(self) -> GenerateRequest:
         if self.echo:
             raise invalid("echo", "is not supported; send false or leave it out")
@@ -184,9 +192,23 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     _nulls = model_validator(mode="before")(classmethod(lambda cls, d: _drop_nulls(d)))
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(max_length=MAX_CONTENT_PARTS)
-    name: str | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] = Field("", max_length=MAX_CONTENT_PARTS)
+    name: str | None = Field(None, max_length=64)   # OpenAI's own bound
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)   # assistant turns that called tools
+    tool_call_id: str | None = Field(None, max_length=MAX_TOOL_CALL_ID_CHARS)   # a tool turn: which call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if "content" not in self.model_fields_set and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: is required (only an assistant message with tool_calls may leave it out)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only tool messages carry tool_call_id")
+        return self
 
     def text(self) -> str:
         """Text parts are joined with a newline (as vLLM does)."""
@@ -194,26 +216,59 @@ class ChatMessage(BaseModel):
 
     def for_template(self) -> dict:
         # `developer` is OpenAI's newer name of `system`; chat templates know `system`
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatBody(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def logprob_fields(self) -> tuple[bool, int]:
         if self.top_logprobs and not self.logprobs:
             raise invalid("top_logprobs", "needs logprobs: true")
         return self.logprobs, self.top_logprobs or 0
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v):
+        if v in ("none", "auto", "required") or isinstance(v, NamedToolChoice):
+            return v
+        if isinstance(v, dict):
+            return NamedToolChoice.model_validate(v)
+        raise ValueError("must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+
+    def tool_plan(self) -> ToolPlan | None:
+        """How the output is read (router_service/tool_output.py): None = plain content."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        names = [t.function.name for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ToolPlan("named", names, self.tool_choice.function.name)
+        return ToolPlan(self.tool_choice or "auto", names)
+
     def request(self) -> GenerateRequest:
-        if self.tools:
-            raise invalid("tools", "tool calling is not supported; leave tools out")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise invalid("tool_choice", "only 'none' or 'auto' (without tools) is supported")
+        tools = self.tools or []
+        check_tools(tools, self.tool_choice)
+        forced = forced_spec(tools, self.tool_choice, self.parallel_tool_calls)
+        if forced is not None and self.response_format is not None and self.response_format.type != "text":
+            raise invalid("response_format", "cannot be combined with tool_choice 'required' or a named function "
+                                             "(the call's arguments are already constrained)")
+        problem = spec_problem(forced) if forced is not None else ""
+        if problem:   # the forced call's grammar is the tools' schemas: name them, not response_format
+            raise invalid("tools", problem.split(": ", 1)[1])
         msgs = [m.for_template() for m in self.messages]
-        return self.to_request(chat_messages=msgs, prompt_text="\n".join(m["content"] for m in msgs))
+        req = self.to_request(chat_messages=msgs, prompt_text="\n".join(m["content"] for m in msgs))
+        if tools and self.tool_choice != "none":
+            req.tools = [t.model_dump(exclude_none=True) for t in tools]
+        if forced is not None:
+            req.guided = forced
+        return req

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 
 from registry import queries
 from registry.admin_tokens import AdminIdentity, active_identities
-from registry.budgets import list_budgets
+from registry.budgets import KEY, list_budgets
 from registry.caller_limits import list_teams
 from registry.db import session_scope
 from registry.warm_buffers import PoolSettings, managed_pools
@@ -43,12 +43,13 @@ class CallerInfo:
     requests_per_s: float = 0.0  # shared by every router (0 = no limit)
     tokens_per_minute: int = 0  # prompt + max_tokens per minute, shared by every router (0 = no limit)
     team_weight: float = 1.0  # the team's fair-queueing weight inside a tier
+    budget: BudgetInfo | None = None  # the key's own budget (besides its team's), registry/budgets.py KEY
 
 
 @dataclass(frozen=True)
 class BudgetInfo:
-    """A team's budget as routers enforce it (registry/budgets.py)."""
-    team: str
+    """A team's (or one key's) budget as routers enforce it (registry/budgets.py)."""
+    team: str  # the owner: team name, or the caller's name for a key budget
     amount: float
     period: str  # month | day
     unit: str  # money | tokens
@@ -100,14 +101,14 @@ def load_snapshot(db_url: str) -> Snapshot:
                                                                       m.weights_uri)
         snap.routes = queries.all_routes(s)
         weights = {t.name: float(t.fair_weight or 1.0) for t in list_teams(s)}
+        key_budgets = {b.caller: _budget_info(b.caller, b) for b in list_budgets(s, KEY)}
         for c in queries.list_callers(s):
             snap.callers_by_hash[c.api_key_hash] = CallerInfo(
                 c.name, c.team, c.max_tier, c.token_quota_per_day, tuple(c.allowed_models or ()),
                 tuple(c.allowed_adapters or ()), c.region, bool(c.canary_access), int(c.max_concurrent or 0),
-                float(c.requests_per_s or 0.0), int(c.tokens_per_minute or 0), weights.get(c.team, 1.0))
-        snap.budgets = {b.team: BudgetInfo(b.team, float(b.monthly_amount), b.period or "month", b.unit or "money",
-                                           float(b.soft_share if b.soft_share is not None else 0.8), bool(b.enforce))
-                        for b in list_budgets(s)}
+                float(c.requests_per_s or 0.0), int(c.tokens_per_minute or 0), weights.get(c.team, 1.0),
+                key_budgets.get(c.name))
+        snap.budgets = {b.team: _budget_info(b.team, b) for b in list_budgets(s)}
         snap.replicas = [ReplicaInfo(r.replica_id, r.model, r.version, r.region, r.grpc_url, r.http_url, r.state,
                                      _epoch(r.started_at), r.pid or 0) for r in queries.list_replicas(s)]
         snap.admin_tokens = active_identities(s)
@@ -115,6 +116,11 @@ def load_snapshot(db_url: str) -> Snapshot:
                          for a in queries.list_adapters(s)}
         snap.pools = {(p.model, p.version): p for p in managed_pools(s)}
     return snap
+
+
+def _budget_info(owner: str, b) -> BudgetInfo:
+    return BudgetInfo(owner, float(b.monthly_amount), b.period or "month", b.unit or "money",
+                      float(b.soft_share if b.soft_share is not None else 0.8), bool(b.enforce))
 
 
 def _epoch(at: datetime | None) -> float:

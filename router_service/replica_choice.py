@@ -6,6 +6,12 @@ cost(replica) = uncached prefill tokens on that replica + load_weight x its load
 Bounded load: a replica whose load is above (1 + epsilon) x the mean load (the mean counting this request)
 is skipped, even if it holds the prefix (consistent hashing with bounded loads, Mirrokni et al. 2018).
 
+A prefix no replica holds yet (no cached or just-sent leading block anywhere) goes to the replica its first
+block hash ranks highest (rendezvous hashing) among those under the cap: every router makes the same choice
+without coordination, so two routers taking the first requests of a new system prompt at the same moment
+(before any report shows its blocks) send them to one replica instead of one copy each. With the cost rule
+they would both pick their own least-loaded replica, and the two routers' load views differ.
+
 `pick` is a pure function over `ReplicaView`s so the policy simulator in bench/router runs exactly the
 code the router runs. `ReplicaChooser` keeps the router's own view of each replica's load (tokens it sent
 and has not yet seen streamed back), which is fresher than the 200 ms reports, and adds the streams other
@@ -46,12 +52,16 @@ class ReplicaView:
 
 
 def pick(views: Sequence[ReplicaView], prompt_len: int, block_size: int, new_load: float,
-         params: ChoiceParams) -> int:
-    """Index of the replica to use ("ours"): least cost among replicas under the bounded-load cap."""
+         params: ChoiceParams, first_block_hash: int | None = None) -> int:
+    """Index of the replica to use ("ours"): least cost among replicas under the bounded-load cap; a new
+    prefix (`first_block_hash` cached nowhere) by rendezvous hashing among them."""
     mean = (sum(v.load for v in views) + new_load) / len(views)
     cap = (1.0 + params.epsilon) * mean
     allowed = [i for i, v in enumerate(views) if v.load <= cap] or \
         [min(range(len(views)), key=lambda i: views[i].load)]
+    if first_block_hash is not None and not any(v.cached_blocks for v in views):
+        pool = [i for i in allowed if views[i].has_adapter] or allowed
+        return max(pool, key=lambda i: rendezvous(first_block_hash, views[i].replica_id))
 
     def cost(i: int) -> tuple[float, float]:
         v = views[i]
@@ -75,6 +85,12 @@ def pick_prefix_hash(views: Sequence[ReplicaView], first_block_hash: int | None,
         if point >= key:
             return i
     return ring[0][1]
+
+
+def rendezvous(key: int, replica_id: str) -> int:
+    """Highest-random-weight score of `replica_id` for `key`: the same on every router, and removing a
+    replica moves only the keys it ranked first."""
+    return _h(f"{key % (1 << 64)}@{replica_id}")
 
 
 def _h(text: str) -> int:
@@ -149,7 +165,8 @@ class ReplicaChooser:
         elif self.params.policy == "prefix_hash":
             i = pick_prefix_hash(views, hashes[0] if hashes else None)
         else:
-            i = pick(views, prompt_len, block_size, prompt_len + max_tokens, self.params)
+            i = pick(views, prompt_len, block_size, prompt_len + max_tokens, self.params,
+                     hashes[0] if hashes else None)
         cached = min(prompt_len, views[i].cached_blocks * block_size)
         return self._reserve(room[i], tier, prompt_len - cached + max_tokens, cached, "cost", hashes)
 

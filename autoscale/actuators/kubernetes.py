@@ -20,6 +20,10 @@ pods are deleted (deregistration).
   (`adopt`) Deployments the actuator created are re-applied, so a changed template or image rolls out.
 - Names are sanitised (autoscale/actuators/k8s_names.py): `meta-llama/Llama-3.1-70B` version `v2+lora` gets a
   valid Deployment name and label value.
+- Healing (docs/reliability.md, Self-healing): a pod a router cordoned keeps its `cordoned` row (the registrar
+  does not overwrite it with `serving`), counts as missing capacity (the Deployment is scaled past it), and is
+  deleted once it stayed cordoned for `restart_cordoned_after_s` (its probes kept failing; autoscale/actuators/
+  healing.py): its ReplicaSet starts a fresh pod in its place.
 - Cold starts are measured from pod status: the Ready condition's lastTransitionTime minus the pod's creation
   (scheduling, image pull, weight staging, engine load), once per pod; `cold_start_s` is their p90.
 """
@@ -34,6 +38,7 @@ from typing import Any
 import yaml
 
 from autoscale.actuators import PoolSpec, ReplicaCounts
+from autoscale.actuators.healing import CordonWatch, cordoned_replicas
 from autoscale.actuators.k8s_names import deployment_name as _deployment_name
 from autoscale.actuators.k8s_names import label_value, pool_label
 from common.gpu_info import node_selector
@@ -131,7 +136,7 @@ class KubernetesActuator:
     """Scales one Deployment per pool and registers its pods. `api_client` lets tests point it at a server."""
 
     def __init__(self, namespace: str = "llm", api_client: Any | None = None, image: str | None = None,
-                 db_url: str | None = None) -> None:
+                 db_url: str | None = None, restart_cordoned_after_s: float = 120.0) -> None:
         from kubernetes import client, config
 
         if api_client is None:
@@ -146,6 +151,8 @@ class KubernetesActuator:
         self.namespace, self.image, self.db_url = namespace, image or DEFAULT_IMAGE, db_url
         self._cold_starts: dict[str, list[float]] = {}
         self._measured: set[str] = set()
+        self.cordons = CordonWatch(restart_cordoned_after_s)
+        self._cordoned: dict[PoolSpec, int] = {}  # pods of the pool a router cordoned, at the last count
 
     def _model_template(self, pool: PoolSpec) -> dict[str, Any] | None:
         """The model's Deployment an overlay deployed (not one this actuator made), as a plain dict."""
@@ -209,20 +216,30 @@ class KubernetesActuator:
         serving = sum(1 for s in states.values() if s == "serving")
         # terminating pods are out of the Deployment's status counts: count them from the pods themselves
         draining = sum(1 for s in states.values() if s == "draining")
-        return ReplicaCounts(serving=min(serving, desired), starting=max(desired - serving, 0), draining=draining)
+        # cordoned pods hold Deployment slots but serve nothing: missing capacity, not counted as serving
+        cordoned = self._cordoned[pool] = sum(1 for s in states.values() if s == "cordoned")
+        return ReplicaCounts(serving=min(serving, max(desired - cordoned, 0)),
+                             starting=max(desired - cordoned - serving, 0), draining=draining, cordoned=cordoned)
 
     def scale(self, pool: PoolSpec, desired: int) -> None:
         from kubernetes.client.exceptions import ApiException
 
         name = deployment_name(pool)
+        desired = int(desired) + self._cordoned.get(pool, 0)  # a cordoned pod's slot is not capacity
         try:
-            self.apps.patch_namespaced_deployment_scale(name, self.namespace, {"spec": {"replicas": int(desired)}})
+            self.apps.patch_namespaced_deployment_scale(name, self.namespace, {"spec": {"replicas": desired}})
         except ApiException as exc:
             if exc.status != 404:
                 raise
-            self.ensure_workload(pool, replicas=int(desired))
+            self.ensure_workload(pool, replicas=desired)
             return
         log.info("scaled deployment %s/%s to %d replicas", self.namespace, name, desired)
+
+    def _registry_url(self) -> str:
+        if self.db_url is None:
+            from common.settings import load_settings
+            self.db_url = load_settings().db_url
+        return self.db_url
 
     def pool_pods(self, pool: PoolSpec) -> list[Any]:
         return self.core.list_namespaced_pod(self.namespace, label_selector=pool_selector(pool)).items
@@ -256,16 +273,30 @@ class KubernetesActuator:
                 "state": state, "model": pool.model, "version": pool.version, "region": pool.region, "pid": 0,
                 "grpc_url": f"{ip}:{GRPC_PORT}" if ip else "", "http_url": f"http://{ip}:{HTTP_PORT}" if ip else "",
                 "metrics_url": f"http://{ip}:{METRICS_PORT}/metrics" if ip else ""}
-        if self.db_url is None:
-            from common.settings import load_settings
-            self.db_url = load_settings().db_url
-        with session_scope(self.db_url) as s:
-            for row in queries.list_replicas(s, pool.model):
-                if row.version == pool.version and row.replica_id not in states:
-                    queries.delete_replica(s, row.replica_id)
+        with session_scope(self._registry_url()) as s:
+            rows = {r.replica_id: r for r in queries.list_replicas(s, pool.model) if r.version == pool.version}
+            for replica_id, row in rows.items():
+                if replica_id not in states:
+                    queries.delete_replica(s, replica_id)
             for replica_id, fields in states.items():
-                queries.upsert_replica(s, replica_id, **fields)
+                row = rows.get(replica_id)
+                if row is not None and row.state == "cordoned" and fields["state"] == "serving":
+                    fields["state"] = "cordoned"  # a router's cordon stands until its probe or a restart
+                if row is None or any(getattr(row, k) != v for k, v in fields.items()):
+                    queries.upsert_replica(s, replica_id, **fields)  # unchanged rows: no registry version bump
         return {k: v["state"] for k, v in states.items()}
+
+    def heal(self, pool: PoolSpec) -> list[str]:
+        """Delete the pool's pods a router cordoned and that stayed cordoned for restart_cordoned_after_s (their
+        probes kept failing): the ReplicaSet replaces each with a fresh pod. Returns the deleted pods' names."""
+        running = [p.metadata.name for p in self.pool_pods(pool) if p.metadata.deletion_timestamp is None]
+        db_url = self._registry_url()
+        stuck = self.cordons.due(db_url, running, cordoned_replicas(db_url, pool.model, pool.version))
+        for name in stuck:
+            log.warning("pod %s stayed cordoned by a router (its probes keep failing): deleting it so its "
+                        "ReplicaSet starts a fresh one", name)
+            self.core.delete_namespaced_pod(name, self.namespace)
+        return stuck
 
     def cold_start_s(self, pool: PoolSpec) -> float | None:
         starts = sorted(self._cold_starts.get(pool.model, []))

@@ -27,17 +27,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autoscale.actuators import PoolSpec, ReplicaCounts
+from autoscale.actuators.healing import CordonWatch, cordoned_replicas
 from autoscale.signals import replica_inflight, router_admits
 from autoscale.actuators.replicas import ReplicaSpec, replica_base_port, start_replica, stop_replica
 from common import processes
 from common.settings import REPO_ROOT, Settings
 from python_backends.engine.config import engine_overrides
-from sqlalchemy import select
-from sqlalchemy.exc import SQLAlchemyError
-
 from registry.db import session_scope
 from registry.queries import list_replicas, set_replica_state
-from registry.schema import AuditLog
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +61,7 @@ class LocalActuator:
                  admin_token: str | None = None, first_index: int = 0, cpu_cores: int | None = None,
                  cpu_budget: bool = True, restart_cordoned_after_s: float = 30.0) -> None:
         self.settings = settings
-        self.restart_cordoned_after_s = restart_cordoned_after_s
-        self.cordoned_since: dict[str, float] = {}  # replica -> monotonic time heal() first saw it cordoned
+        self.cordons = CordonWatch(restart_cordoned_after_s)
         # CPU budget: replicas x engine threads <= cores, so a new replica adds capacity instead of
         # sharing the same cores with the ones already running. cpu_budget=False lifts it (told so).
         self.cpu_cores = cpu_cores or len(os.sched_getaffinity(0))
@@ -108,42 +104,18 @@ class LocalActuator:
                              cordoned=sum(r.state == "serving" and r.replica_id in cordoned for r in mine))
 
     def _cordoned_rows(self, pool: PoolSpec) -> set[str]:
-        try:
-            with session_scope(self.settings.db_url) as session:
-                return {r.replica_id for r in list_replicas(session, pool.model)
-                        if r.version == pool.version and r.state == "cordoned"}
-        except SQLAlchemyError as exc:  # registry unreadable: count by our own bookkeeping meanwhile
-            log.warning("cannot read cordoned replicas of %s from the registry: %s", pool.name, exc)
-            return set()
+        return cordoned_replicas(self.settings.db_url, pool.model, pool.version)
 
     # --- healing ---------------------------------------------------------------------------------
     def heal(self, pool: PoolSpec) -> list[str]:
         """Restart this pool's replicas that a router cordoned and that this actuator has seen cordoned for
         restart_cordoned_after_s (the router's probes kept failing); returns their ids."""
-        cordoned = self._cordoned_rows(pool)
-        now = time.monotonic()
         with self._lock:
-            mine = [r for r in self.replicas.values() if r.pool == pool and r.state == "serving"]
-        for replica in mine:
-            if replica.replica_id in cordoned:
-                self.cordoned_since.setdefault(replica.replica_id, now)
-            else:
-                self.cordoned_since.pop(replica.replica_id, None)
-        due = [r for r in mine if now - self.cordoned_since.get(r.replica_id, now) >= self.restart_cordoned_after_s]
-        if not due:
-            return []
-        stuck = []
-        with session_scope(self.settings.db_url) as session:
-            for replica in due:  # whose cordon was the router's (an operator's is left alone)
-                last = session.scalars(select(AuditLog).where(AuditLog.target == replica.replica_id,
-                                                              AuditLog.action.like("replica_%"))
-                                       .order_by(AuditLog.id.desc()).limit(1)).first()
-                if last is not None and last.actor == "router" and last.action == "replica_cordoned":
-                    stuck.append(replica)
-        for replica in stuck:
-            self.cordoned_since.pop(replica.replica_id, None)
-            self.restart_replica(replica)
-        return [r.replica_id for r in stuck]
+            mine = {r.replica_id: r for r in self.replicas.values() if r.pool == pool and r.state == "serving"}
+        stuck = self.cordons.due(self.settings.db_url, mine, self._cordoned_rows(pool))
+        for replica_id in stuck:
+            self.restart_replica(mine[replica_id])
+        return stuck
 
     def restart_replica(self, replica: LocalReplica) -> None:
         """Stop the process and start it again at the same index (in the background, like a start)."""

@@ -13,36 +13,14 @@ import argparse
 import json
 import os
 import time
-from enum import Enum
 from pathlib import Path
 
-from pydantic import BaseModel, Field
-
+from bench.api.person import Person
 from build_engines.cpu import smollm2_weights
 from common.settings import load_settings
 from python_backends.engine.config import EngineConfig
 from python_backends.engine.engine import LLMEngine
 from python_backends.engine.sequence import SamplingParams
-
-
-class Colour(str, Enum):
-    red = "red"
-    green = "green"
-    blue = "blue"
-
-
-class Address(BaseModel):
-    city: str = Field(max_length=24)
-    number: int = Field(ge=1, le=9999)
-
-
-class Person(BaseModel):
-    name: str = Field(max_length=24)
-    age: int = Field(ge=0, le=120)
-    height_m: float = Field(ge=0.5, le=2.5)
-    colour: Colour
-    hobbies: list[str] = Field(max_length=3)
-    address: Address
 
 
 PROMPTS = ["Describe a fictional person.", "Invent a painter from Lyon.", "Who is Ada?", "Describe a cook.",

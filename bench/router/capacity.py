@@ -8,8 +8,11 @@ CPU per request comes from runs of max_tokens=1, CPU per 1,000 tokens from the d
 process. The load generator (tritonclient gRPC streams) and the stand-in run on the same machine: requests/s
 and tokens/s are what this machine gave the router, CPU seconds per unit are the router's own cost.
 
-Usage: python bench/router/capacity.py [--requests 96] [--concurrency 16] [--max-tokens 128]
-Writes bench/results/router-capacity.json.
+Each (tokens per message, routers) case is measured `--rounds` times, 1 and 2 routers alternating within a
+round (so drift in the machine's load hits both alike); the summary gives each case's median.
+
+Usage: python -m bench.router.capacity [--requests 256] [--concurrency 16] [--max-tokens 128] [--rounds 3]
+Writes bench/results/router-capacity.json. Run alone: CPU per request is what is compared.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -121,12 +125,52 @@ def scenario(stack: RouterStack, pids: list[int], args, offset: int) -> dict:
     return {"short": short, "long": long, "cpu_s_per_request": per_req, "cpu_s_per_1k_tokens": per_1k}
 
 
+def _bounded(lo: int, hi: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is outside {lo}..{hi}")
+        return value
+    return parse
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    """Per (tokens per message, routers): medians over the rounds, and 2 routers' CPU over 1 router's."""
+    out = []
+    for chunk in sorted({r["tokens_per_message"] for r in runs}):
+        for routers in (1, 2):
+            rs = [r for r in runs if r["tokens_per_message"] == chunk and r["routers"] == routers]
+            if not rs:
+                continue
+            per_1k = [r["cpu_s_per_1k_tokens"] for r in rs if r["cpu_s_per_1k_tokens"] is not None]
+            out.append({"tokens_per_message": chunk, "routers": routers, "rounds": len(rs),
+                        "cpu_ms_per_request": 1000 * statistics.median(r["cpu_s_per_request"] for r in rs),
+                        "cpu_s_per_1k_tokens": statistics.median(per_1k) if per_1k else None,
+                        "requests_per_s": statistics.median(r["short"]["requests_per_s"] for r in rs),
+                        "tokens_per_s": statistics.median(r["long"]["tokens_per_s"] for r in rs),
+                        "errors": sum(r["short"]["error_count"] + r["long"]["error_count"] for r in rs)})
+    for row in out:
+        one = next((o for o in out if o["tokens_per_message"] == row["tokens_per_message"] and o["routers"] == 1), None)
+        if row["routers"] == 2 and one is not None:
+            row["cpu_per_request_vs_1_router"] = row["cpu_ms_per_request"] / one["cpu_ms_per_request"]
+            if row["cpu_s_per_1k_tokens"] and one["cpu_s_per_1k_tokens"]:
+                row["cpu_per_token_vs_1_router"] = row["cpu_s_per_1k_tokens"] / one["cpu_s_per_1k_tokens"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=96)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "router-capacity.json")
+    ap.add_argument("--requests", type=_bounded(16, 100_000), default=256,
+                    help="requests per measurement (16..100000; default 256)")
+    ap.add_argument("--concurrency", type=_bounded(1, 1024), default=16,
+                    help="streams in flight at once (1..1024; default 16)")
+    ap.add_argument("--max-tokens", type=_bounded(2, 4096), default=128,
+                    help="tokens per request of the streaming runs (2..4096; default 128); the per-request runs "
+                         "use max_tokens 1")
+    ap.add_argument("--rounds", type=_bounded(1, 10), default=3,
+                    help="rounds per case, 1 and 2 routers alternating (1..10; default 3)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "router-capacity.json",
+                    help="where the JSON goes (default bench/results/router-capacity.json)")
     args = ap.parse_args()
     results: dict = {"load_average_before": os.getloadavg(), "args": vars(args) | {"out": str(args.out)}, "runs": []}
     with tempfile.TemporaryDirectory(prefix="router-capacity-") as tmp:
@@ -139,7 +183,7 @@ def main() -> None:
                 standin = start_standin(stack, chunk, data)
                 wait_until(lambda: asyncio.run(run_load(stack.grpc_url, stack.api_key, 1, 1, 2, 0))["error_count"] == 0,
                            30, "the router to route to the stand-in")
-                for routers in (1, 2):
+                for routers in [r for _ in range(args.rounds) for r in (1, 2)]:
                     if routers == 2 and second is None:
                         second = processes.spawn([sys.executable, "-m", "router_service", "--no-usage", "--index", "1"],
                                                  stack.settings.logs_dir / "router-1.log", env=stack.env, cwd=ROOT)
@@ -149,7 +193,8 @@ def main() -> None:
                         processes.stop_pid(second.pid)
                         second = None
                     pids = [stack.router.pid] + ([second.pid] if second is not None else [])
-                    run = scenario(stack, pids, args, offset=chunk * 1_000_000 + routers * 10_000)
+                    offset = chunk * 10_000_000 + len(results["runs"]) * 1_000_000   # new prompts every run
+                    run = scenario(stack, pids, args, offset=offset)
                     run |= {"tokens_per_message": chunk, "routers": routers, "load_average": os.getloadavg()}
                     results["runs"].append(run)
                     print(json.dumps({k: run[k] for k in ("tokens_per_message", "routers", "cpu_s_per_request",
@@ -166,6 +211,9 @@ def main() -> None:
                 processes.stop_pid(second.pid)
             stack.stop()
     results["load_average_after"] = os.getloadavg()
+    results["summary"] = summarise(results["runs"])
+    for row in results["summary"]:
+        print(json.dumps(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")

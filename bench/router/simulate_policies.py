@@ -158,7 +158,8 @@ class Sim:
             elif self.policy == "prefix_hash":
                 i = pick_prefix_hash(views, req.hashes[0] if req.hashes else None)
             else:
-                i = pick(views, len(req.prompt), BLOCK, len(req.prompt) + req.out_len, self.params)
+                i = pick(views, len(req.prompt), BLOCK, len(req.prompt) + req.out_len, self.params,
+                         req.hashes[0] if req.hashes else None)
         r = self.replicas[i]
         for h in req.hashes:
             r.pending[h] = self.now

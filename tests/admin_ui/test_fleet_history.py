@@ -27,8 +27,8 @@ def test_scraped_history_gives_rates_that_fall_to_zero_and_a_windowed_p95(stack,
     # what the router records when it finishes requests (router_service/accounting.py)
     for ttft in (0.2, 0.3, 0.4, 0.45):
         metrics.TTFT.labels(MODEL, "interactive").observe(ttft)
-        metrics.REQUESTS.labels(MODEL, "interactive", "ok", "stop").inc()
-    metrics.REQUESTS.labels(MODEL, "interactive", "error", "error").inc()
+        metrics.REQUESTS.labels(MODEL, "interactive", "ok").inc()
+    metrics.REQUESTS.labels(MODEL, "interactive", "error").inc()
     metrics.TOKENS.labels(MODEL, "interactive").inc(200)
     scrape_once(url, path, 86400, now=t0 + 10)
     scrape_once(url, path, 86400, now=t0 + 20)  # idle interval

@@ -69,6 +69,26 @@ def test_fleet_shows_replicas_kv_queue_ttft_against_slo(stack, page):
     assert "No metrics history yet" in _text(at.info), "no scrape yet: the page says where history comes from"
 
 
+def test_fleet_lists_each_routers_own_view_with_admitted_per_s_from_the_scraper(stack, page):
+    """One router here (its /metrics on the HTTP port, as `fleet up` with one router): up, what it has in
+    flight and queued now, and its admitted/s between the scraper's two newest scrapes."""
+    import time
+    from router_service import metrics
+    from usage.metrics_scraper import scrape_once
+    url, path, now = f"http://127.0.0.1:{stack.port}", stack.data_dir / "usage.duckdb", time.time()
+    scrape_once(url, path, 86400, now=now - 20)
+    for _ in range(30):
+        metrics.REQUESTS.labels(MODEL, "standard", "ok", "stop").inc()
+    scrape_once(url, path, 86400, now=now - 10)
+    at = page("fleet")
+    assert not at.exception, at.exception
+    routers = at.dataframe[-1].value
+    assert routers["router"].tolist() == [0] and routers["up"].tolist() == [True]
+    assert routers["url"].iloc[0] == url and routers["inflight"].iloc[0] >= 0 and routers["queued"].iloc[0] >= 0
+    assert routers["admitted_per_s"].iloc[0] == pytest.approx(3.0)     # 30 requests in 10 s
+    assert "1 of 1 up" in _text(at.markdown)
+
+
 def test_operator_cordons_a_replica_only_after_confirming(stack, page):
     at = page("fleet")
     rid = sorted(r.replica_id for r in stack.router.registry.snapshot.replicas)[0]
@@ -85,7 +105,7 @@ def test_operator_cordons_a_replica_only_after_confirming(stack, page):
 
 def test_viewer_sees_fleet_without_replica_actions(stack, page):
     at = page("fleet", role="viewer")
-    assert not at.exception and len(at.dataframe) == 2
+    assert not at.exception and len(at.dataframe) == 3
     assert not [s for s in at.selectbox if s.key in ("replica_pick", "replica_action_pick")]
 
 
@@ -94,7 +114,9 @@ def test_router_down_the_fleet_page_says_so_and_shows_registered_replicas(stack,
     at = page("fleet")
     assert not at.exception
     assert "Router down" in _text(at.error)
-    assert len(at.dataframe[-1].value) == 3, "registered replicas are still listed"
+    assert len(at.dataframe[1].value) == 3, "registered replicas are still listed"
+    routers = at.dataframe[-1].value
+    assert routers["up"].tolist() == [False] and "ConnectError" in routers["error"].iloc[0]
 
 
 def test_router_down_rollouts_reads_the_audit_log_from_the_registry(stack, page, monkeypatch):

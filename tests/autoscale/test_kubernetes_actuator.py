@@ -68,12 +68,12 @@ class ContractServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
-    def actuator(self, db_url: str | None = None) -> KubernetesActuator:
+    def actuator(self, db_url: str | None = None, **kwargs) -> KubernetesActuator:
         from kubernetes import client
 
         cfg = client.Configuration()
         cfg.host = self.url
-        return KubernetesActuator("llm", api_client=client.ApiClient(cfg), db_url=db_url)
+        return KubernetesActuator("llm", api_client=client.ApiClient(cfg), db_url=db_url, **kwargs)
 
     def verify(self) -> None:
         assert len(self.received) == len(self.interactions), self.received
@@ -127,6 +127,37 @@ def test_scale_reads_counts_registers_pods_measures_cold_start_and_patches_scale
     assert rows == {"llm-large-70b-fp8-v1-7d9c8b6f5-abcde": ("serving", "10.8.3.17:8001"),
                     "llm-large-70b-fp8-v1-7d9c8b6f5-fghij": ("starting", "10.8.5.4:8001")}
     assert actuator.cold_start_s(LARGE) == 425.0  # Ready 10:07:05 - created 10:00:00
+
+
+@pytest.mark.parametrize("cordoned_by", ["router", "operator"])
+def test_a_pod_a_router_cordoned_is_missing_capacity_and_deleted_when_its_probes_keep_failing(
+        sqlite_url, cordoned_by) -> None:
+    from registry import queries
+    from registry.db import migrate, session_scope
+
+    migrate(sqlite_url)
+    pod = "llm-large-70b-fp8-v1-7d9c8b6f5-abcde"
+    with session_scope(sqlite_url) as s:
+        queries.upsert_replica(s, pod, model=LARGE.model, version=LARGE.version, region=LARGE.region,
+                               grpc_url="10.8.3.17:8001", http_url="http://10.8.3.17:8000", state="serving", pid=0,
+                               metrics_url="http://10.8.3.17:8002/metrics")
+        queries.set_replica_state(s, pod, "cordoned", actor=cordoned_by)
+    with ContractServer("pod_heal.json") as server:
+        actuator = server.actuator(sqlite_url, restart_cordoned_after_s=0.0)
+        counts = actuator.counts(LARGE)
+        # the Ready pod keeps the router's cordon (the registrar does not write it back to serving) and is not
+        # capacity: 2 wanted, 1 cordoned, 1 starting
+        assert (counts.serving, counts.starting, counts.cordoned) == (0, 1, 1)
+        with session_scope(sqlite_url) as s:
+            assert {r.replica_id: r.state for r in queries.list_replicas(s, LARGE.model)}[pod] == "cordoned"
+        actuator.scale(LARGE, 5)  # the cordoned pod's slot is added: 6
+        deleted = actuator.heal(LARGE)
+    if cordoned_by == "router":
+        assert deleted == [pod]
+        server.verify()
+    else:  # an operator's cordon is the operator's to lift: no DELETE
+        assert deleted == []
+        assert [r["method"] for r in server.received] == ["GET", "GET", "PATCH", "GET"]
 
 
 def test_scale_creates_the_workload_when_it_does_not_exist(sqlite_url) -> None:

@@ -165,6 +165,61 @@ def test_json_schema_output_is_valid_and_survives_a_resume(engine, tokenizer):
     other.take_pending()
 
 
+def test_costly_schemas_are_refused_before_any_compile():
+    """Distinct length bounds are what makes xgrammar slow (~1 s each here): over the bound, refused by name."""
+    from common.sampling_fields import MAX_LENGTH_BOUNDS, MAX_QUANTIFIERS, spec_problem
+
+    def schema(n: int) -> dict:
+        props = {f"f{i}": {"type": "string", "maxLength": 100 + i} for i in range(n)}
+        return {"type": "json_schema", "schema": {"type": "object", "properties": props, "required": list(props)}}
+    assert spec_problem(schema(MAX_LENGTH_BOUNDS)) == ""
+    assert "distinct string length bounds" in spec_problem(schema(MAX_LENGTH_BOUNDS + 1))
+    pattern = "".join(f"a{{1,{n}}}" for n in range(2, MAX_QUANTIFIERS + 3))
+    assert "repetition bounds" in spec_problem({"type": "regex", "pattern": pattern})
+    params = SamplingParams(max_tokens=8, guided=schema(MAX_LENGTH_BOUNDS + 1))
+    assert check_params(params, 49152).startswith("response_format:")
+
+
+def test_compile_later_keeps_the_callers_thread_free_and_bounds_waiting_compiles(engine):
+    """The Triton shim's path: compiles run on the replica's one compile thread; a cached grammar answers at
+    once; beyond MAX_PENDING_COMPILES waiting, a request is refused as busy (never queued without bound)."""
+    import threading
+
+    cache = engine.grammars()
+    gate, results, arrived = threading.Event(), {}, threading.Semaphore(0)
+
+    def done(name):
+        def record(grammar, problem):
+            results[name] = (grammar, problem)
+            arrived.release()
+        return record
+    cache._worker.submit(gate.wait)                    # the compile thread is busy with a slow schema
+    for i in range(cache.max_pending):
+        cache.compile_later({"type": "regex", "pattern": f"[0-9]{{{i + 1}}}"}, done(i))
+    assert results == {} and cache.pending == cache.max_pending, "the caller's thread did not wait"
+    cache.compile_later({"type": "regex", "pattern": "x+"}, done("over"))
+    assert results["over"][0] is None and results["over"][1].startswith("busy:")
+    gate.set()
+    for _ in range(cache.max_pending + 1):
+        assert arrived.acquire(timeout=60)
+    assert all(results[i][0] is not None and results[i][1] == "" for i in range(cache.max_pending))
+    cache.compile_later({"type": "regex", "pattern": "([a-z"}, done("broken"))
+    assert arrived.acquire(timeout=60) and results["broken"][0] is None
+    assert results["broken"][1].startswith("response_format: cannot be compiled") and cache.pending == 0
+    cache.compile_later({"type": "regex", "pattern": "[0-9]{1}"}, done("cached"))
+    assert results["cached"][0] is results[0][0], "a cached grammar is answered at once, on the caller's thread"
+
+
+def test_compiled_grammars_are_bounded_in_bytes(smollm2_dir):
+    from python_backends.engine.guided import GrammarCache
+
+    cache = GrammarCache(str(smollm2_dir), 49152, cache_bytes=1)
+    first = cache.compile({"type": "regex", "pattern": "[a-c]{2}"})
+    cache.compile({"type": "regex", "pattern": "[d-f]{2}"})
+    assert cache.cached({"type": "regex", "pattern": "[a-c]{2}"}) is None and len(cache._cache) == 1
+    assert first.memory_size_bytes > 0
+
+
 def test_stop_checker_equals_whole_text_search_and_costs_the_same_late(tokenizer):
     """The incremental checker finds what a search of the whole decoded text finds, and a token costs about
     the same at 4,000 output tokens as at 100 (before: the whole output was decoded twice per token)."""

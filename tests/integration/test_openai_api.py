@@ -151,28 +151,7 @@ def test_grpc_sampling_parameters_and_logprob_outputs(platform):
 def test_sdk_parse_pydantic_models_streamed_and_not(client):
     """`client.chat.completions.parse` with a pydantic model (nested object, enum, array, numbers) on the
     real SmolLM2: the grammar makes even a 135M model produce a value the SDK parses."""
-    from enum import Enum
-    from typing import Annotated
-
-    from pydantic import BaseModel, Field
-
-    class Colour(str, Enum):
-        red = "red"
-        green = "green"
-        blue = "blue"
-
-    # bounded numbers and strings: unbounded, a 135M model may write digits or text until max_tokens (docs/api.md)
-    class Address(BaseModel):
-        city: str = Field(max_length=24)
-        number: int = Field(ge=1, le=9999)
-
-    class Person(BaseModel):
-        name: str = Field(max_length=24)
-        age: int = Field(ge=0, le=120)
-        height_m: float = Field(ge=0.5, le=2.5)
-        colour: Colour
-        hobbies: list[Annotated[str, Field(max_length=16)]] = Field(max_length=3)
-        address: Address
+    from bench.api.person import Person
 
     for prompt in ("Describe a fictional person.", "Invent a painter from Lyon.", "Who is Ada?"):
         out = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": prompt}],

@@ -198,10 +198,20 @@ def test_cpu_replicas_are_called_at_engine_and_the_router_decodes_the_text(stack
     assert "\ufffd" not in routed.text
 
 
+TEXT = {"type": "string", "maxLength": 40}   # one distinct length bound: the grammar compiles in well under a second
+CITY_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "country", "facts"],
+               "properties": {"name": TEXT, "country": TEXT,
+                              "facts": {"type": "array", "minItems": 2, "maxItems": 2, "items": TEXT}}}
+
+
 def test_replica_killed_mid_stream_resumes_with_identical_text(stack):
-    prompt = CHATML.format(q="Describe the city of Paris in detail.")
-    reference = _run(_one(stack, prompt, 64, tier="interactive"))
-    assert reference.error is None and len(reference.ids) >= 32
+    """A JSON-schema-constrained stream: the replica it resumes on replays the emitted ids into a fresh grammar
+    matcher (python_backends/engine/guided.py), so the resumed output is the same, still valid, JSON."""
+    prompt = CHATML.format(q="Describe the city of Paris in detail, as JSON.")
+    guided = {"response_format": json.dumps({"type": "json_schema", "schema": CITY_SCHEMA})}
+    reference = _run(_one(stack, prompt, 128, tier="interactive", **guided))
+    assert reference.error is None and len(reference.ids) >= 24 and reference.finish_reason == "stop", reference
+    assert set(json.loads(reference.text)) == {"name", "country", "facts"}
 
     async def main():
         client = grpcaio.InferenceServerClient(stack.grpc_url)
@@ -214,15 +224,16 @@ def test_replica_killed_mid_stream_resumes_with_identical_text(stack):
             assert len(busy) == 1, busy
             os.killpg(stack.replica_pid(busy[0]), signal.SIGKILL)
             killed.append(busy[0])
-        out = await stream_once(client, MODEL, prompt, 64, stack.api_key, on_token=kill_serving_replica,
-                                tier="interactive")
+        out = await stream_once(client, MODEL, prompt, 128, stack.api_key, on_token=kill_serving_replica,
+                                tier="interactive", **guided)
         await client.close()
         return out, killed
 
     out, killed = _run(main())
     assert killed, "the stream finished before a replica could be killed"
     assert out.error is None, out.error
-    assert out.ids == reference.ids and out.text == reference.text
+    assert out.ids == reference.ids and out.text == reference.text and out.finish_reason == "stop"
+    assert json.loads(out.text) == json.loads(reference.text)
     fleet = {r["replica_id"]: r for r in stack.fleet()["replicas"]}
     assert fleet[killed[0]]["state"] == "cordoned"
     assert 'fleet_router_resumes_total{model="smollm2-135m"} 1.0' in stack.metrics()

@@ -7,7 +7,7 @@ from registry.db import session_scope
 from registry.admin_tokens import set_admin_token
 from router_service.core import Router
 from router_service.http_frontend import create_app
-from router_service.registry_cache import RegistryCache
+from router_service.registry_cache import BudgetInfo, RegistryCache
 
 OPERATOR, VIEWER = "op-token", "view-token"
 
@@ -81,3 +81,31 @@ def test_registry_changes_reach_a_watching_router_within_one_second(sqlite_url, 
         watcher.cancel()
         return time.monotonic() - changed
     assert asyncio.run(main()) < 1.0
+
+
+def test_a_keys_own_budget_is_set_listed_audited_and_deleted(client):
+    http, db_url = client
+    caller = "search-svc"
+    with session_scope(db_url) as s:
+        queries.create_caller(s, caller, "search", api_key="k-search")
+    body = {"monthly_amount": 5000, "period": "day", "unit": "tokens", "soft_share": 0.5}
+    r = http.put(f"/admin/callers/{caller}/budget", json=body, headers=_auth(OPERATOR))
+    assert r.status_code == 200 and r.json()["caller"] == caller and r.json()["changed"] is True
+    assert http.put(f"/admin/callers/{caller}/budget", json=body, headers=_auth(OPERATOR)).json()["changed"] is False
+    # every router's snapshot carries it with the caller (what QuotaLedger.admit_caller reserves against)
+    assert RegistryCache(db_url).caller_for_key("k-search").budget == BudgetInfo(caller, 5000, "day", "tokens", 0.5,
+                                                                                   True)
+    audit = http.get("/admin/audit", headers=_auth(VIEWER)).json()["entries"]
+    assert [(e["action"], e["target"]) for e in audit if "budget" in e["action"]] == [("set_key_budget", caller)]
+    listed = http.get("/admin/budgets", headers=_auth(VIEWER)).json()
+    assert [(b["caller"], b["monthly_amount"], b["unit"], b["spent"], b["reserved"]) for b in listed["key_budgets"]] \
+        == [(caller, 5000, "tokens", 0.0, 0.0)] and listed["budgets"] == []
+    bad = http.put("/admin/callers/nobody/budget", json=body, headers=_auth(OPERATOR))
+    assert bad.status_code == 400 and "caller (API key) 'nobody' is not registered" in bad.json()["error"]["message"]
+    neg = http.put(f"/admin/callers/{caller}/budget", json={"monthly_amount": -1}, headers=_auth(OPERATOR))
+    assert neg.status_code == 400 and "monthly_amount" in neg.json()["error"]["message"]
+    assert http.put(f"/admin/callers/{caller}/budget", json=body, headers=_auth(VIEWER)).status_code == 403
+    assert http.delete(f"/admin/callers/{caller}/budget", headers=_auth(OPERATOR)).json()["deleted"] is True
+    assert http.delete(f"/admin/callers/{caller}/budget", headers=_auth(OPERATOR)).status_code == 404
+    audit = http.get("/admin/audit", headers=_auth(VIEWER)).json()["entries"]
+    assert audit[0]["action"] == "delete_key_budget" and audit[0]["before"]["monthly_amount"] == 5000

@@ -28,6 +28,9 @@ def http(sqlite_url, seeded):
 
 
 NO_REPLICA = "nothing serves or starts m version 1"
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
 
 
 @pytest.mark.parametrize("path,body", [
@@ -45,7 +48,18 @@ NO_REPLICA = "nothing serves or starts m version 1"
                               "top_logprobs": 20, "presence_penalty": -2, "frequency_penalty": 2, "min_p": 0.1,
                               "logit_bias": {"5": -100, "7": 100}, "repetition_penalty": 1.2, "min_tokens": 2,
                               "stop_token_ids": [2], "max_tokens": 4}),
-    ("/v1/completions", {"model": "m", "prompt": "hi", "logprobs": 5, "max_tokens": 2}),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "logprobs": 5, "max_tokens": 2, "n": 8}),
+    # tools, every tool_choice, a tool round trip in the history
+    ("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]}],
+        "tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False, "n": 2}),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL],
+                              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL],
+                              "tool_choice": "none", "stream": True}),
     ("/v1/completions", {"model": "m", "prompt": ["a single prompt in a list"], "max_tokens": 2, "echo": False}),
 ])
 def test_accepted_shapes_reach_routing(http, path, body):
@@ -55,7 +69,7 @@ def test_accepted_shapes_reach_routing(http, path, body):
 
 
 @pytest.mark.parametrize("body,param,needle", [
-    ({"n": 2}, "n", "only 1 choice"),
+    ({"n": 9}, "n", "between 1 and 8"),
     ({"presence_penalty": 2.5}, "presence_penalty", "allowed: -2..2"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "allowed: 0..20"),
     ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
@@ -67,10 +81,23 @@ def test_accepted_shapes_reach_routing(http, path, body):
     ({"repetition_penalty": 0}, "repetition_penalty", "allowed: (0, 10]"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "is required with type"),
     ({"response_format": {"type": "xml"}}, "response_format.type", "'json_schema' or 'regex'"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools.0.function.name", "should match pattern"),
+    ({"tools": [TOOL] * 65}, "tools", "at most 64"),
+    ({"tools": [TOOL, TOOL]}, "tools", "'get_weather' appears more than once"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "description": "x" * 70000}}}]},
+     "tools", "at most 65536"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools.0.function.parameters", "type object"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice",
+     "'other' is not one of tools (get_weather)"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice", "must be 'none', 'auto', 'required' or"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "cannot be combined"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0", "tool_call_id: a tool message needs"),
+    ({"messages": [{"role": "user"}]}, "messages.0", "content: is required"),
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream: true"),
     ({"stream": True, "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage", "boolean"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "developer"),
     ({"temperature": "hot"}, "temperature", "valid number"),
 ])
 def test_refusals_are_openai_error_objects(http, body, param, needle):

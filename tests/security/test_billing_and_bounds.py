@@ -68,6 +68,12 @@ def test_caller_request_ids_never_decide_billing(stack, kserve):
     ({"prompt": "Hi", "top_k": 2**40}, "top_k"),
     ({"prompt": "Hi", "session": "s" * 10_000}, "session"),
     ({"prompt": "Hi", "deadline_ms": 1e300}, "deadline_ms"),
+    ({"prompt": "Hi", "user": "u" * 100_000}, "user"),  # before: named `session`, the field it fills
+    ({"messages": [{"role": "user", "content": "hi", "name": "n" * 10_000}]}, "messages.0.name"),
+    # a 2 KB schema of distinct length bounds held a replica's compile for ~30 s (64 KB: many minutes)
+    ({"prompt": "Hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"f{i}": {"type": "string", "maxLength": 1000 + i} for i in range(40)}}}}},
+     "response_format"),
 ])
 def test_unbounded_or_odd_inputs_get_a_4xx_naming_the_field(stack, http, body, field):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"

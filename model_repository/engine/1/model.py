@@ -172,20 +172,29 @@ class TritonPythonModel:
         params.ignore_eos = bool(rp.get("ignore_eos", False))   # benchmarks: same output length everywhere
         params.seed_offset = int(rp.get("seed_offset", 0) or 0)  # a resumed stream: tokens generated before
         _sampling_fields(params, rp.get("sampling"))
-        if params.guided is not None:   # compiled here, on Triton's thread, never on the engine loop (cached)
-            try:
-                params.grammar = self.loop.engine.grammars().compile(params.guided)
-            except ValueError as exc:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"refused: {exc}")), flags=FINAL)
-                return
         # `priority` is reserved by tritonclient (it is Triton's own scheduling field), so the router sends
         # `llm_priority`; accept both names.
         priority = int(rp.get("llm_priority", rp.get("priority", 1)))
         trace_context = {k: rp[k] for k in tracing.TRACE_KEYS if isinstance(rp.get(k), str)} or None
-        self.loop.submit(ids.tolist(), params, _TritonSink(sender, self.loop, trace_context, self.replica_id),
-                         priority=priority,
-                         deadline_ms=int(rp.get("deadline_ms", 0) or 0), lora_name=lora,
-                         request_id=rp.get("request_id") or request.request_id())
+        prompt, deadline_ms = ids.tolist(), int(rp.get("deadline_ms", 0) or 0)
+        request_id = rp.get("request_id") or request.request_id()   # read now: `submit` may run after execute
+
+        def submit() -> None:
+            self.loop.submit(prompt, params, _TritonSink(sender, self.loop, trace_context, self.replica_id),
+                             priority=priority, deadline_ms=deadline_ms, lora_name=lora, request_id=request_id)
+
+        if params.guided is None:
+            return submit()
+
+        def compiled(grammar, problem: str) -> None:   # on the replica's compile thread (or here when cached)
+            if problem:   # "refused: " is final for the router; a busy replica's error is retried elsewhere
+                prefix = "" if problem.startswith("busy:") else "refused: "
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(prefix + problem)), flags=FINAL)
+                return
+            params.grammar = grammar
+            submit()
+        # never on this thread (every new request of the replica waits for it) nor on the engine loop
+        self.loop.engine.grammars().compile_later(params.guided, compiled)
 
     def finalize(self):
         self.loop.stop()
