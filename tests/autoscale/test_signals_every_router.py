@@ -48,8 +48,9 @@ def two_routers(tmp_path, smollm2_dir):
     procs = [_router(host, port, db_url, tmp_path / f"router-{i}", tmp_path / f"router-{i}.log")
              for i, host in enumerate(("127.0.0.1", "127.0.0.2"))]
     try:
-        for host in ("127.0.0.1", "127.0.0.2"):
-            wait_until(lambda h=host: _up(h, port), timeout_s=60, what=f"router on {host}:{port}")
+        for i, (host, proc) in enumerate(zip(("127.0.0.1", "127.0.0.2"), procs)):
+            wait_until(lambda h=host: _up(h, port), timeout_s=120, what=f"router on {host}:{port}", proc=proc,
+                       log_path=tmp_path / f"router-{i}.log")
         yield port, keys["caller"]
     finally:
         for proc in procs:
