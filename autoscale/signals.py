@@ -1,5 +1,8 @@
 """What the controller reads, per model pool: queue wait (router), KV use and running/waiting
-(replica reports), TTFT p95 against the tier SLO. Read from the router's `GET /admin/fleet`.
+(replica reports), TTFT p95 against the tier SLO. Read from every router's `GET /admin/fleet`: the router
+URL's name is resolved to every address (in Kubernetes a headless Service, one address per router pod) and
+the views are merged (`merge_fleets`): each router queues and streams its own share of the traffic, so one
+router's view would see only part of the load.
 
 Utilisation percentages are deliberately not used for scaling decisions: a GPU running any decode
 batch reports ~100 % "utilisation" whatever the batch size, and CPU % says nothing about queues.
@@ -13,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from common.endpoints import every_address
 
 log = logging.getLogger(__name__)
 
@@ -120,21 +125,83 @@ def parse_fleet(payload: dict, model: str, slo_ttft_s: float,
     return aggregate(model, replicas, pool, slo_ttft_s, capacity_tokens_per_s)
 
 
+# per-router counts add up over routers; latency percentiles: the worst router's (a p95 cannot be averaged)
+_SUMMED = ("inflight", "load_tokens", "waiting")
+_WORST = ("ttft_ms_p95", "queue_wait_ms_p95", "retry_after_ms")
+_STOPPED = ("draining", "cordoned")
+
+
+def _merge_row(into: dict, row: dict) -> None:
+    for key in _SUMMED:
+        if key in row:
+            into[key] = (into.get(key) or 0) + (row.get(key) or 0)
+    for key in _WORST:
+        if row.get(key) is not None:
+            into[key] = max(into.get(key) or 0, row[key])
+
+
+def merge_fleets(payloads: list[dict]) -> dict:
+    """One fleet view from several routers' `/admin/fleet` answers. A replica's reported state is the same at
+    every router (reports fan out to all); what each router counts itself (streams in flight, queued requests,
+    by tier) is summed; latency percentiles are the worst router's; the earliest batch deadline counts; a
+    replica any router has draining or cordoned is not admitting."""
+    if len(payloads) == 1:
+        return payloads[0]
+    replicas: dict[str, dict] = {}
+    queues: dict[str, dict] = {}
+    for payload in payloads:
+        for raw in payload.get("replicas", []):
+            rid = str(raw.get("replica_id"))
+            if rid not in replicas:
+                replicas[rid] = dict(raw)
+                continue
+            _merge_row(replicas[rid], raw)
+            if raw.get("state") in _STOPPED:
+                replicas[rid]["state"] = raw["state"]
+        for name, stats in (payload.get("queues") or {}).items():
+            if name not in queues:
+                queues[name] = dict(stats, by_tier=dict(stats.get("by_tier") or {}))
+                continue
+            merged = queues[name]
+            _merge_row(merged, stats)
+            for tier, n in (stats.get("by_tier") or {}).items():
+                merged["by_tier"][tier] = merged["by_tier"].get(tier, 0) + n
+            deadlines = [d for d in (merged.get("batch_deadline_ms"), stats.get("batch_deadline_ms")) if d]
+            merged["batch_deadline_ms"] = min(deadlines) if deadlines else None
+    return dict(payloads[0], replicas=list(replicas.values()), queues=queues, routers=len(payloads))
+
+
+def read_fleet(router_url: str, admin_token: str | None = None, timeout_s: float = 2.0) -> dict:
+    """Every router's `/admin/fleet` behind `router_url`, merged. Routers that do not answer (one restarting)
+    are left out with a warning; HTTPError only when none answers."""
+    headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
+    payloads, errors = [], []
+    for url in every_address([router_url.rstrip("/")]):
+        try:
+            resp = httpx.get(f"{url}/admin/fleet", headers=headers, timeout=timeout_s)
+            resp.raise_for_status()
+            payloads.append(resp.json())
+        except (httpx.HTTPError, ValueError) as exc:
+            errors.append(f"{url}: {exc}")
+    if not payloads:
+        raise httpx.HTTPError("no router answered /admin/fleet: " + "; ".join(errors))
+    if errors:
+        log.warning("signals from %d router(s); not answering: %s", len(payloads), "; ".join(errors))
+    return merge_fleets(payloads)
+
+
 def read_signals(router_url: str, model: str, slo_ttft_s: float, capacity_tokens_per_s: float | None = None,
                  admin_token: str | None = None, timeout_s: float = 2.0, version: str | None = None) -> Signals:
-    """GET {router}/admin/fleet and aggregate it for one model pool (one version of it when given)."""
-    headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
-    resp = httpx.get(f"{router_url.rstrip('/')}/admin/fleet", headers=headers, timeout=timeout_s)
-    resp.raise_for_status()
-    return parse_fleet(resp.json(), model, slo_ttft_s, capacity_tokens_per_s, version)
+    """Every router's `/admin/fleet`, merged, aggregated for one model pool (one version of it when given)."""
+    return parse_fleet(read_fleet(router_url, admin_token, timeout_s), model, slo_ttft_s, capacity_tokens_per_s,
+                       version)
 
 
 def _fleet_rows(router_url: str, admin_token: str | None = None) -> dict[str, dict] | None:
-    """replica id -> the router's `/admin/fleet` row; None if the router cannot be read."""
-    headers = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
+    """replica id -> the routers' merged `/admin/fleet` row; None if no router can be read."""
     try:
-        payload = httpx.get(f"{router_url.rstrip('/')}/admin/fleet", headers=headers, timeout=2.0).json()
-    except (httpx.HTTPError, ValueError):
+        payload = read_fleet(router_url, admin_token)
+    except httpx.HTTPError:
         return None
     return {str(raw.get("replica_id")): raw for raw in payload.get("replicas", [])}
 

@@ -36,6 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from common.gpu_info import query_gpus
 from common.settings import REPO_ROOT, Settings
 
 from build_engines import stage, triton_repo, xgrammar_info
@@ -318,7 +319,9 @@ def _run_build(opts: BuildOptions, settings: Settings, db_url: str, ckpt: Any, p
     info: dict[str, Any] = {"tool": "build-engines trtllm", "trtllm_version": TRTLLM_VERSION, "inputs": fields,
                             "inputs_sha256": fingerprint, "commands": [shlex.join(c) for c in tp_plan.commands],
                             "options": opts.model_dump(mode="json"), "timings_s": timings,
-                            "started_at": datetime.now(timezone.utc).isoformat()}
+                            "started_at": datetime.now(timezone.utc).isoformat(),
+                            # the engine runs only on this GPU model: the actuator pins the pool's nodes to it
+                            "gpu": query_gpus()}
     reg.begin(weights_uri=uri, dtype=plan.dtype, tensor_parallel=plan.tensor_parallel,
               max_context=plan.max_context, engine_kind="trtllm", repository_path="", build_info=info)
     partial = vdir.with_name(f".{opts.version}.partial-{uuid.uuid4().hex[:8]}")

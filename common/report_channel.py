@@ -10,7 +10,8 @@ makes the router read no body at all.
 
 Senders (the engine's `StateReporter`, a GPU state reporter) call `post_report`; the router calls
 `verify_report`. The secret is FLEET_REPORT_SECRET or `<data dir>/report-secret` (created on first use, mode
-0600); a replica gets only its derived key in `FLEET_REPORT_KEY`.
+0600); a replica gets only its derived key in `FLEET_REPORT_KEY`, or, in Kubernetes, trades its pod-bound token
+for it at a router (common/report_key_exchange.py).
 """
 from __future__ import annotations
 

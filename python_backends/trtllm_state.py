@@ -24,18 +24,16 @@ metric moves, its fields are left out and the router relies on its own in-flight
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
-import socket
 import tempfile
 import time
-import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.endpoints import every_address as expand_routers
 from common.settings import load_settings
 from python_backends.engine.state_report import StateReporter, identity_from_env
 
@@ -107,32 +105,6 @@ RESOLVE_EVERY_S = 5.0  # routers come and go (rolling update): re-resolve the he
 
 def drain_marker(replica_id: str) -> Path:
     return Path(tempfile.gettempdir()) / f"fleet-draining-{replica_id.replace('/', '_')}"
-
-
-def expand_routers(urls: list[str]) -> list[str]:
-    """One URL per address of each URL's host (a headless Service name -> every router pod); an IP literal or a
-    name that does not resolve is kept as it is."""
-    out: list[str] = []
-    for url in urls:
-        parts = urllib.parse.urlsplit(url)
-        host = parts.hostname or ""
-        try:
-            ipaddress.ip_address(host)
-            addresses = [host]
-        except ValueError:
-            try:
-                infos = socket.getaddrinfo(host, parts.port, type=socket.SOCK_STREAM)
-                v4 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET})
-                addresses = v4 or sorted({i[4][0] for i in infos})
-            except OSError:
-                addresses = [host]
-        for address in addresses:
-            netloc = f"[{address}]" if ":" in address else address
-            netloc += f":{parts.port}" if parts.port else ""
-            expanded = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, ""))
-            if expanded not in out:
-                out.append(expanded)
-    return out
 
 
 def run(metrics_url: str, interval_s: float, identity: dict[str, Any], stop_after: float | None = None) -> None:

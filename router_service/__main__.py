@@ -15,6 +15,7 @@ import uvicorn
 from common import tracing
 from common.logs import setup_logging
 from common.report_channel import load_report_secret
+from common.report_key_exchange import TokenReviewer
 from common.settings import Settings, load_from_env, load_settings
 from router_service.budgets import PriceBook
 from router_service.core import Router
@@ -94,12 +95,15 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
     router.quotas.prices = PriceBook(settings.usage_db_path)  # chargeback's prices, for budgets in money
     router.rollout_gate_percent = rs.rollout_gate_percent  # the admin API's promotion rule (docs/router.md)
     grpc_server = await start_grpc_server(router, args.host, args.grpc_port)
+    # a stopping router lets open streams run up to the longest total stream deadline (the pod's grace period
+    # is sized from the same number: deploy/base/router.yaml), then closes what is left
+    grace_s = rs.stream_timeouts().stop_grace_s()
     config = uvicorn.Config(create_app(router), host=args.host, port=args.http_port,
-                            log_level="warning", lifespan="off")
+                            log_level="warning", lifespan="off", timeout_graceful_shutdown=int(grace_s))
     http_server = uvicorn.Server(config)
     http_server.install_signal_handlers = lambda: None
     internal_server = uvicorn.Server(uvicorn.Config(
-        create_internal_app(router, load_report_secret(settings)), host=args.internal_host,
+        create_internal_app(router, load_report_secret(settings), TokenReviewer.in_cluster()), host=args.internal_host,
         port=args.internal_port, log_level="warning", lifespan="off"))
     internal_server.install_signal_handlers = lambda: None
     stop = asyncio.Event()
@@ -119,8 +123,7 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
     await stop.wait()
     log.info("router stopping")
     http_server.should_exit = internal_server.should_exit = True
-    await grpc_server.stop(grace=5)
-    await http_task
+    await asyncio.gather(grpc_server.stop(grace=grace_s), http_task)  # both within the one grace period
     await internal_task
     watcher.cancel()
     renewer.cancel()

@@ -255,6 +255,10 @@ class Router:
         cached_tokens = 0
         kills: list[str] = []  # replicas that died or hung while streaming this request
         text = StreamText()
+        # the total stream deadline (per tier) caps how long this stream may run; the caller's own may be earlier
+        stream_end_ms = self.timeouts.stream_deadline_ms(req.tier, p.arrived)
+        callers_first = req.deadline_ms is not None and req.deadline_ms <= stream_end_ms
+        end_ms, end_reason = (req.deadline_ms, "deadline") if callers_first else (stream_end_ms, "stream_deadline")
         ledger = open_ledger_entry(self.usage, p)
         if req.tier == "interactive":
             self.batch_yield.interactive_started(key)
@@ -293,7 +297,7 @@ class Router:
                     judge = StreamJudge(self.replica_state, self.replicas, self.healing, p.model, req.request_id,
                                         replica_id)
                     async with aclosing(guarded(upstream, self.timeouts.first_token_s[req.tier],
-                                                self.timeouts.inter_token_s[req.tier], req.deadline_ms,
+                                                self.timeouts.inter_token_s[req.tier], end_ms,
                                                 judge)) as items:
                         async for item in items:
                             if judge.waited:  # it answered after a timeout: slow or resumed, not dead
@@ -318,8 +322,9 @@ class Router:
                                 finish = self._finished(p, item.finish_reason, emitted, replica_id, cached_tokens)
                     break
                 except DeadlineReached:
-                    log.info("deadline of %s passed while waiting on replica %s", req.request_id, replica_id)
-                    finish = self._finished(p, "deadline", emitted, replica_id, cached_tokens)
+                    log.info("%s of %s passed while waiting on replica %s (%d tokens streamed)", end_reason,
+                             req.request_id, replica_id, len(emitted))
+                    finish = self._finished(p, end_reason, emitted, replica_id, cached_tokens)
                     break
                 except ReplicaRefused as exc:
                     if emitted:  # refused on resume: this replica cannot continue it; another may
@@ -348,9 +353,9 @@ class Router:
                     if not exc.alive:  # a replica that answers with an error stays in service
                         kills.append(replica_id)
                         self.cordon(replica_id, f"stream of {req.request_id} broke: {exc}")
-                    if req.deadline_ms is not None and req.deadline_ms <= time.time() * 1000:
-                        log.info("not retrying %s: its deadline has passed", req.request_id)
-                        finish = self._finished(p, "deadline", emitted, replica_id, cached_tokens)
+                    if end_ms <= time.time() * 1000:
+                        log.info("not retrying %s: its %s has passed", req.request_id, end_reason)
+                        finish = self._finished(p, end_reason, emitted, replica_id, cached_tokens)
                         break
                     if len(kills) >= MAX_REPLICA_KILLS:
                         metrics.POISONED.labels(req.model).inc()

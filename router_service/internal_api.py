@@ -10,11 +10,16 @@ not know; it is refused
 (400) when it does not fit the `ReplicaReport` schema. Reports feed routing hints only: they can never lift
 a cordon (see `Router.serving_replicas`).
 
+`POST /internal/report-key` (only with a `TokenReviewer`, i.e. in Kubernetes): a replica pod trades its
+pod-bound ServiceAccount token for its own report key (common/report_key_exchange.py); 401 for any token the
+API server does not vouch for as a replica pod's.
+
 `GET /metrics` is this router's own Prometheus page (the same as on the callers' port): behind a port shared
 by several routers (SO_REUSEPORT) the metrics scraper reads each router here.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -22,8 +27,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from common.report_channel import (REPLICA_HEADER, REPORT_PATH, SIGNATURE_HEADER, ReportAuthError, verify_report,
-                                   verify_report_head)
+from common.report_channel import (REPLICA_HEADER, REPORT_PATH, SIGNATURE_HEADER, ReportAuthError, replica_key,
+                                   verify_report, verify_report_head)
+from common.report_key_exchange import KEY_PATH, MAX_TOKEN_BYTES, KeyExchangeError, TokenReviewer
 from router_service import metrics
 from router_service.core import Router
 from router_service.errors import RouterError
@@ -40,7 +46,7 @@ def _describe(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'report'}: {e['msg']}" for e in exc.errors()[:5])
 
 
-def create_internal_app(router: Router, secret: bytes) -> FastAPI:
+def create_internal_app(router: Router, secret: bytes, reviewer: TokenReviewer | None = None) -> FastAPI:
     app = FastAPI(title="LLM fleet router (internal)", version="0.1.0", docs_url=None, redoc_url=None,
                   openapi_url=None, telemetry=FASTAPI_TELEMETRY)  # state reports are not traced
 
@@ -84,6 +90,23 @@ def create_internal_app(router: Router, secret: bytes) -> FastAPI:
                                                    f"replica {replica_id!r}")
         router.replica_state.apply(report)
         return {"ok": True}
+
+    if reviewer is not None:
+        @app.post(KEY_PATH)
+        async def report_key(request: Request):
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not token or len(token) > MAX_TOKEN_BYTES:
+                raise RouterError("unauthenticated", "authorization: expected 'Bearer <the pod's projected "
+                                                     f"ServiceAccount token for {reviewer.audience!r}>'")
+            try:
+                pod = await asyncio.to_thread(reviewer.pod_of, token)
+            except KeyExchangeError as exc:
+                log.warning("refused a report key: %s", exc)
+                raise RouterError("unauthenticated", str(exc)) from exc
+            except OSError as exc:  # the API server is unreachable: the sidecar retries
+                raise RouterError("unavailable", f"token review: the Kubernetes API did not answer ({exc})") from exc
+            log.info("issued the report key of replica pod %s", pod)
+            return {"replica_id": pod, "report_key": replica_key(secret, pod)}
 
     app.add_api_route("/metrics", prometheus_page(router), methods=["GET"])
 

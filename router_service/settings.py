@@ -18,7 +18,7 @@ from router_service.rollout import DEFAULT_GATE_PERCENT
 from router_service.replica_probe import Healing, ProbeSettings
 from router_service.request import DEFAULT_MAX_TOKENS
 from router_service.stream_guard import (DEFAULT_FIRST_TOKEN_S, DEFAULT_INTER_TOKEN_S, DEFAULT_SLOW_READER_S,
-                                         DEFAULT_STREAM_QUEUE, StreamTimeouts, per_tier)
+                                         DEFAULT_STREAM_DEADLINE_S, DEFAULT_STREAM_QUEUE, StreamTimeouts, per_tier)
 
 DEFAULT_MAX_WAITING = 256
 _CHOICE = ChoiceParams()
@@ -44,6 +44,9 @@ class RouterSettings(BaseSettings):
                                                         "counts as starting (requests stop waiting for it)")
     first_token_timeout_s: str = Field("", description="per tier, e.g. 'interactive=15,standard=30,batch=60'")
     inter_token_timeout_s: str = Field("", description="per tier, e.g. 'interactive=10,standard=15,batch=30'")
+    stream_deadline_s: str = Field("", description="total time from arrival to a stream's end, per tier, e.g. "
+                                                   "'interactive=120,standard=300,batch=300'; the longest is also "
+                                                   "the router's stop grace (docs/kubernetes.md)")
     stream_queue: int = Field(DEFAULT_STREAM_QUEUE, gt=0, description="gRPC stream responses queued for a reader")
     slow_reader_timeout_s: float = Field(DEFAULT_SLOW_READER_S, gt=0)
     rollout_gate_percent: int = Field(DEFAULT_GATE_PERCENT, ge=0, le=100,
@@ -60,7 +63,7 @@ class RouterSettings(BaseSettings):
                                                     "context, at most this per tier, e.g. 'interactive=1024,"
                                                     "standard=2048,batch=4096' or one number")
 
-    @field_validator("first_token_timeout_s", "inter_token_timeout_s")
+    @field_validator("first_token_timeout_s", "inter_token_timeout_s", "stream_deadline_s")
     @classmethod
     def _tiers(cls, value: str) -> str:
         per_tier(value, DEFAULT_FIRST_TOKEN_S)  # raises with the problem: the router refuses to start
@@ -90,7 +93,8 @@ class RouterSettings(BaseSettings):
     def stream_timeouts(self) -> StreamTimeouts:
         return StreamTimeouts(per_tier(self.first_token_timeout_s, DEFAULT_FIRST_TOKEN_S),
                               per_tier(self.inter_token_timeout_s, DEFAULT_INTER_TOKEN_S),
-                              self.stream_queue, self.slow_reader_timeout_s)
+                              self.stream_queue, self.slow_reader_timeout_s,
+                              per_tier(self.stream_deadline_s, DEFAULT_STREAM_DEADLINE_S))
 
     def healing(self) -> Healing:
         return Healing(self.slow_limit_s, self.recover_wait_s,

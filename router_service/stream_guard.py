@@ -4,7 +4,12 @@ hangs its caller), the caller's deadline while waiting on a replica, and exact t
 Timeouts per tier are router settings (router_service/settings.py), as `interactive=15,standard=30,batch=60`
 or one number for every tier:
 - FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S: from the upstream call to its first token (prefill included);
-- FLEET_ROUTER_INTER_TOKEN_TIMEOUT_S: between two responses of a stream.
+- FLEET_ROUTER_INTER_TOKEN_TIMEOUT_S: between two responses of a stream;
+- FLEET_ROUTER_STREAM_DEADLINE_S: the total time from a request's arrival to its stream's end (queue wait,
+  prefill, every token, resumes included). A stream still running then ends in band with finish_reason
+  `stream_deadline` (the tokens so far are delivered and billed); a caller's own earlier `deadline_ms` ends it
+  with `deadline`. The longest deadline is also how long a stopping router lets its streams finish
+  (`stop_grace_s`), and what a replica's drain and both pods' grace periods are sized from (deploy/, docs/kubernetes.md).
 When one passes, the router judges the replica (docs/reliability.md, Slow is not dead): one whose state
 reports show its engine stepping is slow, not dead (the stream keeps waiting, new work is held back); the
 last serving replica of a model that stopped reporting is suspect, not cordoned (the stream keeps waiting
@@ -32,6 +37,8 @@ from router_service.upstream import ReplicaFailed
 
 DEFAULT_FIRST_TOKEN_S = {"interactive": 15.0, "standard": 30.0, "batch": 60.0}
 DEFAULT_INTER_TOKEN_S = {"interactive": 10.0, "standard": 15.0, "batch": 30.0}
+# the longest stream a replica serves: 4096 tokens at the slowest tier's 15 tokens/s is 273 s
+DEFAULT_STREAM_DEADLINE_S = {"interactive": 300.0, "standard": 300.0, "batch": 300.0}
 
 
 DEFAULT_STREAM_QUEUE = 256
@@ -65,6 +72,16 @@ class StreamTimeouts:
     inter_token_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_INTER_TOKEN_S))
     queue_items: int = DEFAULT_STREAM_QUEUE       # gRPC stream responses waiting for a slow reader
     slow_reader_s: float = DEFAULT_SLOW_READER_S  # how long a response may wait for room in that queue
+    stream_deadline_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_STREAM_DEADLINE_S))
+
+    def stream_deadline_ms(self, tier: str, arrived_monotonic: float) -> int:
+        """The wall-clock end (unix ms) of a stream of `tier` that arrived at `arrived_monotonic`."""
+        elapsed = time.monotonic() - arrived_monotonic
+        return int((time.time() - elapsed + self.stream_deadline_s[tier]) * 1000)
+
+    def stop_grace_s(self) -> float:
+        """How long a stopping router lets its open streams run: the longest total stream deadline."""
+        return max(self.stream_deadline_s.values())
 
 
 class DeadlineReached(Exception):

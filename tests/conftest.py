@@ -19,6 +19,10 @@ from tests.observability.otlp_receiver import OtlpReceiver
 # The suite runs many replicas, routers and clients on a few cores at once: replicas never spin-wait
 # (common.vendor.replica_cores; tests/autoscale/test_replica_cores.py covers `auto`).
 os.environ.setdefault("FLEET_REPLICA_CPU_CORES", "shared")
+# every replica a test starts runs the engine's warm-up before it is ready (python_backends/engine/warmup.py);
+# a 2-sequence one keeps the suite's dozens of replica starts cheap, tests/engine/test_triton_engine.py runs
+# the full default burst
+os.environ.setdefault("FLEET_ENGINE_WARMUP_SEQS", "2")
 PG_ADMIN_DSN = os.environ.get("FLEET_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 
 

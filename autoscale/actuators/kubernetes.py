@@ -41,6 +41,7 @@ from autoscale.actuators import PoolSpec, ReplicaCounts
 from autoscale.actuators.healing import CordonWatch, cordoned_replicas
 from autoscale.actuators.k8s_names import deployment_name as _deployment_name
 from autoscale.actuators.k8s_names import label_value, pool_label
+from common.gpu_info import node_selector
 from common.settings import REPO_ROOT
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,12 @@ def pool_selector(pool: PoolSpec) -> str:
 
 
 def deployment_manifest(pool: PoolSpec, namespace: str, image: str = DEFAULT_IMAGE, replicas: int | None = None,
-                        template: dict[str, Any] | None = None) -> dict[str, Any]:
+                        template: dict[str, Any] | None = None,
+                        build_info: dict[str, Any] | None = None) -> dict[str, Any]:
     """The pool's Deployment (apps/v1) as a plain dict: `template` (an existing Deployment of the model, as the
     overlay deployed it) or the base pool file with `image`, set to this pool's model, version, tensor
-    parallelism (GPUs + MPI ranks), labels and annotations."""
+    parallelism (GPUs + MPI ranks), labels and annotations, and pinned to the GPU product the version's engine
+    was built on (`build_info["gpu"]`, common/gpu_info.py), whatever product the template names."""
     base = template if template is not None else yaml.safe_load(POOL_TEMPLATE.read_text())
     source = copy.deepcopy(base)  # deep copy: the template shares its env between containers
     labels = {APP_LABEL: REPLICA_APP, POOL_LABEL: pool_label(pool.model, pool.version),
@@ -95,6 +98,9 @@ def deployment_manifest(pool: PoolSpec, namespace: str, image: str = DEFAULT_IMA
     if template is None:
         pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     _retarget_spread(pod, labels[POOL_LABEL])
+    pin = node_selector(build_info)
+    if pin:
+        pod["nodeSelector"] = dict(pod.get("nodeSelector") or {}, **pin)
     spec["selector"] = {"matchLabels": {APP_LABEL: REPLICA_APP, POOL_LABEL: labels[POOL_LABEL]}}
     spec["template"] = {"metadata": {"labels": dict(pod_labels, **labels), "annotations": pod_annotations},
                         "spec": pod}
@@ -160,10 +166,23 @@ class KubernetesActuator:
                     return _plain(self.api_client, dep)
         return None
 
+    def _build_info(self, pool: PoolSpec) -> dict[str, Any] | None:
+        """The version's build info from the registry (its engine's GPU), None where the registry has no row."""
+        from registry import queries
+        from registry.db import session_scope
+
+        if self.db_url is None:
+            from common.settings import load_settings
+            self.db_url = load_settings().db_url
+        with session_scope(self.db_url) as s:
+            row = queries.get_model_version(s, pool.model, pool.version)
+            return dict(row.build_info or {}) if row is not None else None
+
     def ensure_workload(self, pool: PoolSpec, replicas: int | None = None) -> str:
         """Server-side apply the pool's Deployment (creates it, or rolls out a changed template)."""
         name = deployment_name(pool)
-        manifest = deployment_manifest(pool, self.namespace, self.image, replicas, self._model_template(pool))
+        manifest = deployment_manifest(pool, self.namespace, self.image, replicas, self._model_template(pool),
+                                       self._build_info(pool))
         self.apps.patch_namespaced_deployment(name, self.namespace, manifest, field_manager=FIELD_MANAGER,
                                               force=True, _content_type="application/apply-patch+yaml")
         log.info("applied deployment %s/%s (replicas %s)", self.namespace, name, replicas)

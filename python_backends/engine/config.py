@@ -45,6 +45,8 @@ class EngineConfig:
     stream_interval_min_rows: int = 8   # (interactive tier and first tokens excepted), see stream_coalescer
     stream_interval_max: int = 16       # the interval grows with the step's rows up to this (0: fixed)
     default_max_tokens: int = 64
+    warmup_seqs: int = 16               # sequences of the warm-up burst run before the model reports ready (0 = off),
+                                        # see warmup.py
     state_report_interval_s: float = 0.2
     state_full_snapshot_s: float = 10.0
     test_step_sleep_s: float = 0.0      # tests only (FLEET_ENGINE_TEST_STEP_SLEEP_S): sleep this long after every

@@ -12,13 +12,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from common.replica_report import ReplicaReport
-from common.report_channel import post_report, replica_key
+from common.report_channel import post_report
+from common.report_key_exchange import fetch_report_key
 from common.settings import load_from_env
 
 log = logging.getLogger(__name__)
@@ -37,13 +39,31 @@ class ReplicaSettings(BaseSettings):
     router_urls: str = ""  # comma separated base URLs of the routers' internal listeners
     router_admin_urls: str = ""  # the routers' admin API (callers' port), for a preStop drain; default router_urls
     report_key: str = ""  # this replica's report signing key (common/report_channel.py)
-    report_secret: str = ""  # where no per-replica key is handed out (a Kubernetes Secret): derive it from this
+    # Kubernetes: no key is handed out (the pod name is known only once the pod exists); the pod's projected
+    # ServiceAccount token is traded for this replica's key at a router (common/report_key_exchange.py)
+    report_token_file: str = ""
 
     def identity(self) -> dict[str, Any]:
+        routers = _urls(self.router_urls)
         return {"replica_id": self.replica_id, "model": self.model, "version": self.version, "region": self.region,
-                "routers": _urls(self.router_urls), "admin_routers": _urls(self.router_admin_urls or self.router_urls),
-                "report_key": self.report_key or (replica_key(self.report_secret.encode(), self.replica_id)
-                                                  if self.report_secret else "")}
+                "routers": routers, "admin_routers": _urls(self.router_admin_urls or self.router_urls),
+                "report_key": self.report_key or (self._exchanged_key(routers) if self.report_token_file else "")}
+
+    def _exchanged_key(self, routers: list[str], attempts: int = 30, pause_s: float = 2.0) -> str:
+        """This pod's key from the first router that answers (routers may still be starting: retried)."""
+        error: Exception | None = None
+        for _ in range(attempts):
+            for router in routers:
+                try:
+                    replica_id, key = fetch_report_key(router, Path(self.report_token_file))
+                except (OSError, ValueError, KeyError) as exc:
+                    error = exc
+                    continue
+                if replica_id != self.replica_id:  # FLEET_REPLICA_ID must be the pod name the token is bound to
+                    raise ValueError(f"FLEET_REPLICA_ID: {self.replica_id!r}, but the token is pod {replica_id!r}")
+                return key
+            time.sleep(pause_s)
+        raise RuntimeError(f"FLEET_REPORT_TOKEN_FILE: no router in {routers} issued a report key: {error}")
 
 
 def _urls(csv: str) -> list[str]:

@@ -15,6 +15,7 @@ import pytest
 
 from autoscale.actuators import PoolSpec
 from autoscale.actuators.kubernetes import KubernetesActuator, deployment_manifest
+from registry.db import migrate
 
 CONTRACTS = Path(__file__).parent / "contracts"
 LARGE = PoolSpec("large-70b-fp8", "v1", "region-a", tensor_parallel=4)
@@ -159,9 +160,10 @@ def test_a_pod_a_router_cordoned_is_missing_capacity_and_deleted_when_its_probes
         assert [r["method"] for r in server.received] == ["GET", "GET", "PATCH", "GET"]
 
 
-def test_scale_creates_the_workload_when_it_does_not_exist() -> None:
+def test_scale_creates_the_workload_when_it_does_not_exist(sqlite_url) -> None:
+    migrate(sqlite_url)  # the version's build info (its GPU pin) is read from the registry: no row, no pin
     with ContractServer("deployment_scale_missing.json") as server:
-        server.actuator().scale(LARGE, 3)
+        server.actuator(sqlite_url).scale(LARGE, 3)
     server.verify()
 
 
@@ -179,11 +181,12 @@ def test_manifest_is_the_pool_template_and_valid_for_the_kubernetes_models() -> 
     assert {c.name for c in pod.containers} == {"triton", "state"}
 
 
-def test_scale_of_a_new_version_applies_the_overlays_template_server_side() -> None:
+def test_scale_of_a_new_version_applies_the_overlays_template_server_side(sqlite_url) -> None:
     """A rollout's new version: no Deployment yet, so it is applied from the model's overlay Deployment (its
     image, runtime class, grace period), renamed to the overlay's naming and relabelled for the new pool."""
+    migrate(sqlite_url)
     with ContractServer("deployment_create.json") as server:
-        assert server.actuator().ensure_workload(LARGE, replicas=2) == "llm-pool-large-70b-fp8-v1"
+        assert server.actuator(sqlite_url).ensure_workload(LARGE, replicas=2) == "llm-pool-large-70b-fp8-v1"
     server.verify()
     sent = server.received[1]["body"]
     triton = sent["spec"]["template"]["spec"]["containers"][0]
@@ -192,9 +195,10 @@ def test_scale_of_a_new_version_applies_the_overlays_template_server_side() -> N
     assert sent["spec"]["template"]["metadata"]["labels"]["fleet.ai/pool"] == "large-70b-fp8-v1"
 
 
-def test_adopt_reapplies_a_deployment_the_actuator_made_with_its_replicas() -> None:
+def test_adopt_reapplies_a_deployment_the_actuator_made_with_its_replicas(sqlite_url) -> None:
+    migrate(sqlite_url)
     with ContractServer("deployment_adopt.json") as server:
-        server.actuator().adopt(SMALL)
+        server.actuator(sqlite_url).adopt(SMALL)
     server.verify()
 
 

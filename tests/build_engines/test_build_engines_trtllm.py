@@ -137,6 +137,14 @@ def test_rendered_gpu_repository_parses_and_holds_the_settings(llama70b_dir: Pat
     assert params(cfgs["preprocessing"])["guided_decoding"] == "off"
     assert not trtllm.guided_decoding_supported(trtllm.TRTLLM_VERSION)
     assert trtllm.guided_decoding_supported("0.19.0") and trtllm.guided_decoding_supported("1.0.0")
+    # warm before ready: Triton's model_warmup feeds every required input; its data files are in the repository
+    (warm,) = t.model_warmup
+    required = {i.name for i in t.input if not i.optional}
+    assert set(warm.inputs) == required and warm.count >= 1
+    for name, data in warm.inputs.items():
+        if data.input_data_file:
+            raw = (repo / "tensorrt_llm" / "warmup" / data.input_data_file).read_bytes()
+            assert len(raw) == 4 * data.dims[0] and int.from_bytes(raw, "little") > 0, name  # int32 each
     for step in trtllm.GPU_TEMPLATES:
         assert (repo / step / "1").is_dir()
     # Every tensor the ensemble feeds a step exists on that step, with the same data type.

@@ -2,7 +2,9 @@
 CA the client must verify, the ServiceAccount bearer token required on every call, and the apps/v1 Deployment
 and core/v1 Pod endpoints the actuator uses, answering as the API reference documents - including the
 API server's validation of names and label values (422 Invalid), which is what killed the autoscaler before.
-Deployments whose `fleet.ai/model` annotation is in FAIL_MODELS get a 500 (one pool's outage). Every request
+TokenReview (authentication.k8s.io/v1) answers for the tokens in `TOKENS` (token -> the ServiceAccount, pod
+and audiences the API server would have bound it to), as the API reference documents: unauthenticated for an
+unknown token or one whose audiences do not meet the review's. Deployments whose `fleet.ai/model` annotation is in FAIL_MODELS get a 500 (one pool's outage). Every request
 is appended with its answer's status code as one JSON line to the log file.
 
     python -m tests.deploy.kube_api_standin --port 6443 --cert c.pem --key k.pem --token T --log api.jsonl
@@ -20,6 +22,7 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 FAIL_MODELS = {"broken-model"}
 DEPLOYMENTS: dict[str, dict] = {}
+TOKENS: dict[str, dict] = {}  # token -> {"username": ..., "pod": ..., "audiences": [...]}
 
 
 def invalid(dep: dict) -> list[str]:
@@ -41,6 +44,27 @@ def invalid(dep: dict) -> list[str]:
     if any(template_labels.get(k) != v for k, v in labelled[1][1].items()):
         out.append("spec.template.metadata.labels: Invalid value: `selector` does not match template `labels`")
     return out
+
+
+def review(spec: dict) -> dict:
+    """A TokenReview's status: who a token is, if it was issued for (one of) the audiences asked about."""
+    bound = TOKENS.get(spec.get("token", ""))
+    if bound is None:
+        return {"authenticated": False, "error": "[invalid bearer token, square/go-jose: error in cryptographic "
+                                                 "primitive]", "user": {}}
+    wanted = spec.get("audiences") or ["https://kubernetes.default.svc"]
+    met = [a for a in bound["audiences"] if a in wanted]
+    if not met:
+        return {"authenticated": False, "error": "[invalid bearer token, token audiences "
+                                                 f"{bound['audiences']} is invalid for the target audiences {wanted}]",
+                "user": {}}
+    namespace = bound["username"].split(":")[2]
+    return {"authenticated": True, "audiences": met, "user": {
+        "username": bound["username"], "uid": "0b4f-uid", "groups": ["system:serviceaccounts",
+                                                                    f"system:serviceaccounts:{namespace}",
+                                                                    "system:authenticated"],
+        "extra": {"authentication.kubernetes.io/pod-name": [bound["pod"]],
+                  "authentication.kubernetes.io/pod-uid": ["5e2c-pod-uid"]}}}
 
 
 def status(code: int, reason: str, message: str) -> dict:
@@ -73,6 +97,8 @@ class Handler(BaseHTTPRequestHandler):
         if scheme.lower() != "bearer" or given != self.token:  # the auth scheme is case-insensitive
             return self._send(401, status(401, "Unauthorized", "Unauthorized"))
         parts = url.path.strip("/").split("/")
+        if parts == ["apis", "authentication.k8s.io", "v1", "tokenreviews"] and self.command == "POST":
+            return self._send(201, dict(body, status=review(body.get("spec", {}))))
         if parts[:2] == ["api", "v1"] and parts[-1] == "pods":
             return self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": []})
         if parts[:3] != ["apis", "apps", "v1"] or "deployments" not in parts:
@@ -109,18 +135,23 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
+def server(port: int, cert: str, key: str, token: str, log: str) -> ThreadingHTTPServer:
+    """The stand-in on 127.0.0.1:`port` (0: any free port), TLS with `cert`, `token` required; not yet serving."""
+    Handler.token, Handler.log_path = token, log
+    httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+    return httpd
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for flag in ("--cert", "--key", "--token", "--log"):
         ap.add_argument(flag, required=True)
     ap.add_argument("--port", type=int, default=6443)
     args = ap.parse_args()
-    Handler.token, Handler.log_path = open(args.token).read().strip(), args.log
-    httpd = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(args.cert, args.key)
-    httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
-    httpd.serve_forever()
+    server(args.port, args.cert, args.key, open(args.token).read().strip(), args.log).serve_forever()
 
 
 if __name__ == "__main__":

@@ -56,7 +56,8 @@ def test_every_object_is_a_valid_kubernetes_object_without_unknown_fields(object
         assert unknown_fields(obj, model_for(obj)) == [], obj["metadata"]["name"]
         model = deserialize(obj)
         assert model.metadata.name == obj["metadata"]["name"]
-        assert obj["kind"] == "Namespace" or model.metadata.namespace == "llm"
+        cluster_scoped = obj["kind"] in ("Namespace", "ClusterRole", "ClusterRoleBinding")
+        assert (model.metadata.namespace is None) if cluster_scoped else model.metadata.namespace == "llm"
 
 
 def test_policy_no_privileged_containers_and_limits_everywhere(objects):

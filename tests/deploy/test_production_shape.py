@@ -15,6 +15,7 @@ import pytest
 from autoscale.actuators import PoolSpec
 from autoscale.actuators.k8s_names import deployment_name, pool_label
 from autoscale.actuators.kubernetes import POOL_LABEL, deployment_manifest
+from router_service.settings import RouterSettings
 from tests.deploy.pod_security import violations
 from tests.deploy.test_manifests import OVERLAYS, render
 
@@ -25,11 +26,11 @@ NEEDS = {"router": {"FLEET_DB_URL", "FLEET_ADMIN_TOKEN", "FLEET_REPORT_SECRET", 
          "admin-ui": {"FLEET_DB_URL", "FLEET_DATA_DIR"},
          "stage-weights": {"FLEET_DB_URL", "FLEET_MODEL", "FLEET_VERSION", "FLEET_DATA_DIR"},
          "triton": {"FLEET_MODEL", "FLEET_VERSION", "FLEET_TENSOR_PARALLEL", "FLEET_REPLICA_ID", "FLEET_ROUTER_URLS"},
-         "state": {"FLEET_REPLICA_ID", "FLEET_ROUTER_URLS", "FLEET_REPORT_SECRET"}}
+         "state": {"FLEET_REPLICA_ID", "FLEET_ROUTER_URLS", "FLEET_REPORT_TOKEN_FILE"}}
 WRITES_DATA_DIR = {"router", "autoscaler", "loader", "stage-weights"}
 EXTERNAL_ENV_SECRETS = {"llm-usage-lake"}  # whole-Secret envFrom: the usage lake's URI and object-store credentials
 SECRET_KEYS = {"db-url", "replica-db-url", "admin-token", "viewer-token", "report-secret"}  # base kustomization
-GPU_POD_FORBIDDEN_KEYS = {"admin-token", "viewer-token", "db-url"}
+GPU_POD_FORBIDDEN_KEYS = {"admin-token", "viewer-token", "db-url", "report-secret"}
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -140,6 +141,13 @@ def test_state_reports_reach_every_router_through_a_headless_service_the_replica
         assert svc["spec"].get("clusterIP") == "None", "a ClusterIP hands each report to one router only"
         assert any(p["port"] == parts.port for p in svc["spec"]["ports"])
         assert svc["spec"]["selector"] == {"app.kubernetes.io/name": "llm-router"}
+    # the autoscaler reads every router too (autoscale/signals.py merges their /admin/fleet): a headless name
+    autoscaler = next(d for d in _kind(objects, "Deployment") if d["metadata"]["name"] == "llm-autoscaler")
+    command = autoscaler["spec"]["template"]["spec"]["containers"][0]["command"]
+    signals_url = urlsplit(command[command.index("--router-url") + 1])
+    svc = next(s for s in _kind(objects, "Service") if s["metadata"]["name"] == signals_url.hostname)
+    assert svc["spec"].get("clusterIP") == "None", "a ClusterIP gives the autoscaler one router's view"
+    assert any(p["port"] == signals_url.port for p in svc["spec"]["ports"])
     router_policy = next(p for p in _kind(objects, "NetworkPolicy") if p["metadata"]["name"] == "llm-router-ingress")
     replica_labels = {"app.kubernetes.io/name": "llm-replica"}
     assert any(any(_selects(peer.get("podSelector", {}), replica_labels) for peer in rule.get("from", []))
@@ -191,7 +199,14 @@ def test_lifecycle_numbers_agree(shape) -> None:
     router = deps["llm-router"]["spec"]["template"]["spec"]
     spread = router["topologySpreadConstraints"][0]
     assert (spread["topologyKey"], spread["whenUnsatisfiable"]) == ("kubernetes.io/hostname", "DoNotSchedule")
-    assert router["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+    pre_stop_s = router["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pre_stop_s > 0
+    # the router's stop grace is its longest total stream deadline, read as the router reads its settings
+    router_env = {k: v for k, v in _env(objects, router["containers"][0]).items() if not v.startswith("secret:")}
+    stop_grace_s = RouterSettings(**{k.removeprefix("FLEET_ROUTER_").lower(): v for k, v in router_env.items()
+                                     if k.startswith("FLEET_ROUTER_") and k.removeprefix("FLEET_ROUTER_").lower()
+                                     in RouterSettings.model_fields}).stream_timeouts().stop_grace_s()
+    assert router["terminationGracePeriodSeconds"] >= pre_stop_s + stop_grace_s + 10, "streams cut by SIGKILL"
     router_pdb = next(p for p in _kind(objects, "PodDisruptionBudget") if p["metadata"]["name"] == "llm-router")
     assert router_pdb["spec"].get("maxUnavailable", 0) >= 1  # minAvailable 1 of 1 router would block drains
     for name, dep in deps.items():
@@ -202,6 +217,7 @@ def test_lifecycle_numbers_agree(shape) -> None:
             cmd = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
             if "--timeout" in cmd:
                 drain_s = float(cmd[cmd.index("--timeout") + 1])
+                assert drain_s >= stop_grace_s, f"{name}: the drain ends before the longest stream may"
                 assert pod["terminationGracePeriodSeconds"] >= drain_s + 20, name
                 assert router["terminationGracePeriodSeconds"] >= drain_s, "routers stop before their streams end"
         triton = next(c for c in pod["containers"] if c["name"] == "triton")

@@ -19,6 +19,7 @@ import pytest
 
 from common.hashing import prefix_block_hashes
 from common.processes import free_port, stop_pid, wait_until
+from python_backends.engine.config import EngineConfig
 from tests.engine.conftest import ADAPTERS_DIR, CHAT
 
 pytestmark = pytest.mark.integration
@@ -56,9 +57,11 @@ def triton(settings, smollm2_dir, router_stub, tmp_path_factory):
     repo = render_repository(out / "repo", cpu_values(smollm2_dir, ADAPTERS_DIR, 2048), steps=steps)
     base = free_port()
     env = {"FLEET_ENGINE_DTYPE": "fp32", "FLEET_ENGINE_NUM_KV_BLOCKS": "512", "FLEET_ROUTER_URLS": router_stub,
-           "FLEET_REPLICA_ID": "test-replica", "FLEET_MODEL": "smollm2-135m", "FLEET_VERSION": "1"}
+           "FLEET_REPLICA_ID": "test-replica", "FLEET_MODEL": "smollm2-135m", "FLEET_VERSION": "1",
+           "FLEET_ENGINE_WARMUP_SEQS": str(EngineConfig.warmup_seqs)}  # the production default (conftest: 2)
     proc = start_triton(settings, repo, base, out / "triton.log", extra_env=env)
-    yield {"grpc": f"127.0.0.1:{base + 1}", "metrics": f"http://127.0.0.1:{base + 2}/metrics", "steps": steps}
+    yield {"grpc": f"127.0.0.1:{base + 1}", "metrics": f"http://127.0.0.1:{base + 2}/metrics", "steps": steps,
+           "log": out / "triton.log"}
     stop_pid(proc.pid)
 
 
@@ -102,6 +105,18 @@ def _metrics(url) -> dict[str, float]:
         if line.startswith("fleet_engine_") and "{" in line:
             values[line.split("{")[0]] = float(line.rsplit(" ", 1)[1])
     return values
+
+
+def test_the_model_is_ready_only_after_the_engine_warm_up_ran(triton):
+    """Warm before ready (python_backends/engine/warmup.py): the fixture waited for Triton's readiness; by then
+    the warm-up burst had finished, before Triton loaded the model (initialize returned)."""
+    log = triton["log"].read_text()
+    warmed = re.search(r"warm-up done: (\d+) sequences", log)
+    assert warmed and int(warmed.group(1)) == EngineConfig.warmup_seqs, log[-2000:]
+    loaded = log.find("successfully loaded 'engine'")
+    assert 0 <= warmed.start() < loaded, "the model was ready before its warm-up"
+    blocks = _metrics(triton["metrics"])
+    assert blocks["fleet_engine_running"] == 0 and blocks["fleet_engine_kv_blocks_used"] == 0  # nothing left over
 
 
 def test_streams_greedy_ids_equal_to_transformers(triton, tokenizer, hf_greedy):

@@ -2,7 +2,7 @@
 (SmolLM2 fp32, so greedy and seeded runs are exact): first-token / inter-token timeouts resume the stream
 elsewhere and cordon the hung replica; resumed text is exact inside a multi-byte character; a seeded
 sampled stream continues its random stream; a request that took two replicas down is not tried on a
-third; one bad request on a gRPC stream is answered in-band; a non-streamed HTTP request whose caller left
+third; a stream past its tier's total stream deadline ends in band (finish_reason `stream_deadline`); one bad request on a gRPC stream is answered in-band; a non-streamed HTTP request whose caller left
 stops generating. Replicas are hung with SIGSTOP and given back with SIGCONT + uncordon after each test."""
 from __future__ import annotations
 
@@ -26,12 +26,14 @@ from tests.reliability.conftest import INTER_TOKEN_S, start_fault_stack
 pytestmark = pytest.mark.integration
 MODEL = "smollm2-135m"
 SLOW_READER_S = 3.0
+BATCH_STREAM_DEADLINE_S = 2.0  # batch streams only: the interactive tests keep the default (300 s)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, otlp_receiver):
     s = start_fault_stack(tmp_path_factory.mktemp("reliability"), FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S="20",
                           FLEET_ROUTER_STREAM_QUEUE="8", FLEET_ROUTER_SLOW_READER_TIMEOUT_S=str(SLOW_READER_S),
+                          FLEET_ROUTER_STREAM_DEADLINE_S=f"batch={BATCH_STREAM_DEADLINE_S}",
                           FLEET_OTLP_ENDPOINT=otlp_receiver.endpoint,  # traces: the resume's two attempts
                           replica_env={"FLEET_OTLP_ENDPOINT": otlp_receiver.endpoint})
     yield s
@@ -270,3 +272,23 @@ def test_a_request_that_took_two_replicas_down_is_not_tried_on_a_third(stack):
         assert _metric(stack, "fleet_router_poison_requests_total") == 1
     finally:
         _restore(stack, stopped)
+
+
+def test_a_stream_past_its_tiers_total_deadline_ends_in_band_with_what_it_streamed(stack):
+    async def main():
+        client = grpcaio.InferenceServerClient(stack.grpc_url)
+        try:  # 2000 tokens of SmolLM2 on CPU take far longer than the batch tier's 2 s deadline
+            return await asyncio.wait_for(stream_once(client, MODEL, CHATML.format(q="Describe the city of Rome in "
+                                                      "detail, street by street."), 2000, stack.api_key,
+                                                      tier="batch"), 90)
+        finally:
+            await client.close()
+    started = time.monotonic()
+    out = asyncio.run(main())
+    took = time.monotonic() - started
+    assert out.error is None, out.error_message  # in band: a finish reason, not an error status
+    assert out.finish_reason == "stream_deadline", (out.finish_reason, len(out.ids))
+    assert out.usage and out.usage[2] == len(out.ids) < 2000  # what was streamed is what is billed
+    assert took < BATCH_STREAM_DEADLINE_S + 10, took
+    fleet = stack.fleet()["replicas"]
+    assert all(r["state"] == "serving" for r in fleet)  # the deadline is the request's, not a replica fault

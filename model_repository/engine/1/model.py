@@ -18,6 +18,7 @@ from python_backends.engine.metrics import TritonMetrics
 from python_backends.engine.sequence import SamplingParams
 from python_backends.engine.state_report import StateReporter, identity_from_env
 from python_backends.engine.tracing import record_request
+from python_backends.engine.warmup import warm_up
 from common import tracing
 from common.logs import setup_logging
 from common.settings import load_settings
@@ -141,6 +142,8 @@ class TritonPythonModel:
 
         self.loop = EngineLoop(build, on_tick=on_tick, tick_s=self.config.state_report_interval_s).start()
         self.engine = self.loop.engine
+        # warm before ready: Triton reports the model ready only once initialize returns (warmup.py)
+        warm_up(self.loop, self.config.warmup_seqs)
 
     def execute(self, requests):
         for request in requests:
