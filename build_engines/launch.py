@@ -69,6 +69,9 @@ def plan_launch(world_size: int, model_repo: str, http_port: int = 8000, grpc_po
 
 
 def main(argv: list[str] | None = None) -> int:
+    from common.settings import load_settings
+
+    settings = load_settings()
     ap = argparse.ArgumentParser(prog="python -m build_engines.launch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-size", type=int, default=1,
                     help="GPUs = tensor-parallel ranks (the engine's --tensor-parallel; default 1)")
@@ -77,11 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--metrics-port", type=int, default=8002)
     ap.add_argument("--tritonserver", default="tritonserver", help="tritonserver binary (default on PATH)")
-    ap.add_argument("--trace-url", default=os.environ.get("FLEET_TRITON_OTLP_URL", ""),
+    ap.add_argument("--trace-url", default=settings.triton_otlp_url,
                     help="OTLP/HTTP traces URL for Triton's OpenTelemetry tracing (default env FLEET_TRITON_OTLP_URL; "
                          "empty = off)")
     ap.add_argument("--trace-sample-ratio", type=float,
-                    default=float(os.environ.get("FLEET_TRACE_SAMPLE_RATIO", "1.0") or 1.0),
+                    default=settings.trace_sample_ratio,
                     help="share of requests traced (default env FLEET_TRACE_SAMPLE_RATIO, else 1)")
     ap.add_argument("--print", action="store_true", help="print the command instead of running it")
     args = ap.parse_args(argv)

@@ -55,6 +55,7 @@ class Settings(BaseSettings):
     # (a caller's traceparent is still passed on). Ratio of new traces kept; a sampled caller's trace is kept.
     otlp_endpoint: str = ""
     trace_sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
+    triton_otlp_url: str = ""  # GPU replicas: Triton's own OpenTelemetry export (OTLP/HTTP), build_engines/launch.py
     admin_token: str = ""   # operator token; default: the data dir's admin-token file
     viewer_token: str = ""  # read-only token; default: the data dir's viewer-token file
     autoscaler: bool = True  # FLEET_AUTOSCALER=off: `fleet up` starts no autoscaler

@@ -224,6 +224,14 @@ def serving_replicas(rows: list[tuple]) -> list[tuple[str, str, str]]:
     return out
 
 
+def sum_hours(rows: list[tuple]) -> list[tuple]:
+    """GPU-hour rows (day, model, version, hours) summed per (day, model, version)."""
+    totals: dict[tuple, float] = {}
+    for day, model, version, hours in rows:
+        totals[(day, model, version)] = totals.get((day, model, version), 0.0) + hours
+    return [(*key, hours) for key, hours in totals.items()]
+
+
 def replica_hours(ts: float, seconds: float, replicas: list[tuple[str, str, str]],
                   gpus_per_replica: dict[tuple[str, str], int]) -> list[tuple[str, str, str, float]]:
     """(day, model, version, GPU-hours) for `seconds` of every reporting replica, times its GPUs: what the

@@ -46,20 +46,35 @@ def read_routers(router_urls: str | list[str]) -> list[list[tuple]]:
     return pages
 
 
+GPU_HOURS_FLUSH_S = 60.0  # one lake commit of GPU-hours a minute, not one per scrape (each commit is a version)
+
+
 def scrape_once(router_url: str | list[str], store_path: Path, retention_s: float, now: float | None = None,
-                replica_seconds: float = 0.0, gpus_per_replica: dict[tuple[str, str], int] | None = None) -> int:
+                replica_seconds: float = 0.0, gpus_per_replica: dict[tuple[str, str], int] | None = None,
+                gpu_hours: list | None = None) -> int:
     """One scrape of every router (comma-separated URLs or a list) into the store; returns the number of
-    samples kept. With `replica_seconds` > 0, that many seconds of each reporting replica are added to the
-    GPU-hours (once per replica, however many routers relay it). Raises httpx errors when no router can be
-    read."""
+    samples kept. With `replica_seconds` > 0, that many seconds of each reporting replica are GPU-hours (once
+    per replica, however many routers relay it): appended to `gpu_hours` when given (the caller flushes them),
+    else added to the lake now. Raises httpx errors when no router can be read."""
     rows = fleet_metrics.merge_routers(read_routers(router_url))
     now = now if now is not None else time.time()
     with store.connect(store_path) as con:
         kept = fleet_metrics.record(con, now, rows, retention_s)
     if replica_seconds > 0:  # into the lake, where every pod's chargeback reads them
-        price_tables.add_gpu_hours(lake_for(store_path), fleet_metrics.replica_hours(
-            now, replica_seconds, fleet_metrics.serving_replicas(rows), gpus_per_replica or {}))
+        hours = fleet_metrics.replica_hours(now, replica_seconds, fleet_metrics.serving_replicas(rows),
+                                            gpus_per_replica or {})
+        if gpu_hours is None:
+            price_tables.add_gpu_hours(lake_for(store_path), hours)
+        else:
+            gpu_hours.extend(hours)
     return kept
+
+
+def flush_gpu_hours(store_path: Path, pending: list) -> None:
+    """Add the buffered GPU-hours to the lake in one commit (add_gpu_hours sums rows of one key)."""
+    if pending:
+        price_tables.add_gpu_hours(lake_for(store_path), pending)
+        pending.clear()
 
 
 def gpus_per_replica(db_url: str) -> dict[tuple[str, str], int]:
@@ -73,6 +88,7 @@ def run(router_url: str, store_path: Path, db_url: str, interval_s: float, reten
     stop = stop or threading.Event()
     last_rules = 0.0
     last_scrape: float | None = None
+    last_flush, pending_hours = time.time(), []
     gpus: dict[tuple[str, str], int] = {}
     failing = False
     log.info("scraping %s every %.0f s into %s (kept %.1f days)",
@@ -89,7 +105,7 @@ def run(router_url: str, store_path: Path, db_url: str, interval_s: float, reten
             except Exception as exc:  # registry down: count 1 GPU per replica until it is back
                 log.warning("cannot read GPUs per replica from the registry: %s", exc)
         try:
-            n = scrape_once(router_url, store_path, retention_s, started, seconds, gpus)
+            n = scrape_once(router_url, store_path, retention_s, started, seconds, gpus, pending_hours)
             last_scrape = started
             if failing:
                 log.info("router metrics readable again (%d samples)", n)
@@ -106,7 +122,18 @@ def run(router_url: str, store_path: Path, db_url: str, interval_s: float, reten
                     log.warning("automatic rollback: %s", fired)
             except Exception:  # a registry or store hiccup must not stop the scraping
                 log.exception("evaluating rollback rules failed; next try in %.0f s", rollback_every_s)
+        if started - last_flush >= GPU_HOURS_FLUSH_S:
+            last_flush = started
+            try:
+                flush_gpu_hours(store_path, pending_hours)
+            except Exception:  # the lake unreachable: keep them (summed per key, so bounded) for the next try
+                pending_hours[:] = fleet_metrics.sum_hours(pending_hours)
+                log.exception("cannot add GPU-hours to the lake; %d rows kept for the next try", len(pending_hours))
         stop.wait(max(0.0, interval_s - (time.time() - started)))
+    try:
+        flush_gpu_hours(store_path, pending_hours)  # a clean stop loses no GPU-hours
+    except Exception:
+        log.exception("cannot add the last %d GPU-hour rows to the lake", len(pending_hours))
 
 
 def add_arguments(parser: argparse.ArgumentParser, settings) -> None:

@@ -77,3 +77,24 @@ def test_each_scrape_adds_the_reporting_replicas_gpu_hours(stack):
     assert hours == {"1": pytest.approx(1.0), "2": pytest.approx(2.0)}, "2 replicas x 0.5 h; 1 x 0.5 h x 4 GPUs"
     by_team = chargeback.gpu_hours_by_team(path)
     assert by_team["gpu_hours"].sum() == pytest.approx(3.0)
+
+
+def test_the_scrapers_gpu_hours_reach_the_lake_in_one_commit_per_flush(stack):
+    """The running scraper buffers GPU-hours and adds them once a minute (a lake commit per 2-10 s scrape made
+    thousands of table versions a day and kept a core busy): buffered scrapes write nothing, the flush sums them."""
+    from usage import store
+    from usage.metrics_scraper import flush_gpu_hours, gpus_per_replica
+    url, path = f"http://127.0.0.1:{stack.port}", stack.data_dir / "usage.duckdb"
+    gpus = {**gpus_per_replica(stack.db_url), (MODEL, "2"): 4}
+
+    def hours() -> dict:
+        with store.connect(path, read_only=True) as con:
+            return dict(con.execute("SELECT version, gpu_hours FROM gpu_hours").fetchall())
+    before, pending = hours(), []
+    for _ in range(3):
+        scrape_once(url, path, 86400, replica_seconds=600, gpus_per_replica=gpus, gpu_hours=pending)
+    assert hours() == before and pending, "buffered: nothing written per scrape"
+    flush_gpu_hours(path, pending)
+    after = hours()
+    assert pending == [] and after["1"] - before.get("1", 0.0) == pytest.approx(1.0), "3 x 2 replicas x 10 min"
+    assert after["2"] - before.get("2", 0.0) == pytest.approx(2.0), "3 x 1 replica x 10 min x 4 GPUs"

@@ -116,9 +116,10 @@ def test_tritonserver_with_the_planned_flags_continues_the_callers_trace(tmp_pat
         client.async_stream_infer("echo", [x])
         processes.wait_until(lambda: done, 30, "the streamed response")
         client.stop_stream()
-        spans = processes.wait_until(lambda: [s for s in _OtlpHttp.spans if s[0] == trace_id], 30,
-                                     "Triton's spans at the OTLP endpoint")
-        assert {s[3] for s in spans} >= {"InferRequest", "echo"}
+        def arrived():  # exported in batches: wait for the request's span and the model's, whichever comes last
+            spans = [s for s in _OtlpHttp.spans if s[0] == trace_id]
+            return spans if {s[3] for s in spans} >= {"InferRequest", "echo"} else None
+        spans = processes.wait_until(arrived, 30, "Triton's InferRequest and echo spans at the OTLP endpoint")
         request = next(s for s in spans if s[3] == "InferRequest")
         assert request[1] == parent    # Triton's request span is a child of the caller's span
     finally:
