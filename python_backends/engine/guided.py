@@ -65,11 +65,12 @@ class GrammarCache:
 
     def cached(self, spec: dict):
         """The compiled grammar of `spec` if it is in the cache, else None."""
+        key = self.key(spec)
         with self._lock:
-            hit = self._cache.get(self.key(spec))
+            hit = self._cache.get(key)
             if hit is None:
                 return None
-            self._cache.move_to_end(self.key(spec))
+            self._cache.move_to_end(key)
             return hit[0]
 
     def compile_later(self, spec: dict, done: Callable[[object | None, str], None]) -> None:
