@@ -19,7 +19,7 @@ from rich.table import Table
 from common.settings import Settings, load_settings
 from usage import chargeback, retention, store
 from usage import metrics_scraper
-from usage.loader import add_load_arguments, run_from_args
+from usage.loader_cli import add_load_arguments, run_from_args
 
 VIEWS = ("cost", "tokens", "gpu-hours", "top-callers", "rejects")
 

@@ -111,7 +111,7 @@ class Emitter:
 
 
 def loader_cmd(bootstrap: str, store_path: Path, topic: str, group: str, writer_id: str = "") -> list[str]:
-    return [sys.executable, "-m", "usage.loader", "--bootstrap", bootstrap, "--store", str(store_path),
+    return [sys.executable, "-m", "usage.loader_cli", "--bootstrap", bootstrap, "--store", str(store_path),
             "--topic", topic, "--dlq-topic", f"{topic}.dlq", "--group", group, "--no-check-callers",
             "--writer-id", writer_id]
 

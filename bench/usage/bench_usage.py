@@ -9,7 +9,7 @@ bench/results/usage-throughput.json. Phases:
 3. loader: `UsageLoader.run()` (the production loop: poll/validate of batch N+1 overlaps the lake write
    of batch N: events + rollups Delta commits) consumes everything into a fresh usage lake; events/s from the first stored batch on (so
    without the consumer-group join; the rate including it is reported too), and per CPU-second.
-4. the same with `python -m usage.loader --workers N` (N processes in the consumer group).
+4. the same with `python -m usage.loader_cli --workers N` (N processes in the consumer group).
 Targets (issue 5): emit p99 < 0.2 ms; loader >= 20,000 events/s.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ async def steady_emit(emit, rate: float, seconds: float, prefix: str = "lat") ->
 def workers_run(bootstrap: str, topic: str, store_path: Path, workers: int, total: int) -> dict:
     """Load the whole topic again with a fresh group through the CLI loader with N worker processes;
     throughput counts from the first stored batch (after the group join) to the last row."""
-    cmd = [sys.executable, "-m", "usage.loader", "--bootstrap", bootstrap, "--store", str(store_path), "--topic",
+    cmd = [sys.executable, "-m", "usage.loader_cli", "--bootstrap", bootstrap, "--store", str(store_path), "--topic",
            topic, "--dlq-topic", f"{topic}.dlq", "--group", f"g-{topic}-w", "--no-check-callers",
            "--workers", str(workers)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                             "load_average_1m": round(os.getloadavg()[0], 2), "target_events_per_s": 20000}
         print(json.dumps(result["loader"]), flush=True)
         if args.workers > 1:
-            print(f"phase 4: `python -m usage.loader --workers {args.workers}` (processes), same events ...",
+            print(f"phase 4: `python -m usage.loader_cli --workers {args.workers}` (processes), same events ...",
                   flush=True)
             result["loader_workers"] = workers_run(bootstrap, topic, work / "usage-w.duckdb", args.workers, total)
             print(json.dumps(result["loader_workers"]), flush=True)
