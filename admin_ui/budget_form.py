@@ -31,7 +31,7 @@ def editor(kind: Kind, owners: list[str], budgeted: list[str], currency: str,
     """The set form (owner, amount per period in money or tokens, period, unit, warn share, enforce) and, when
     some owner has a budget, the remove form. `describe` labels an owner in the choice (e.g. its team)."""
     with st.form(f"{kind.prefix}_form"):
-        c = st.columns([2, 2, 1, 1, 1, 1.2, 1.4])
+        c = st.columns([2, 1.8, 1.1, 1.1, 1, 1.2, 1.4])
         owner = (c[0].selectbox(kind.owner_label, owners, key=kind.owner_key, format_func=describe)
                  if owners else c[0].text_input(kind.owner_label, key=kind.owner_key))
         amount = c[1].number_input(f"Budget per period ({currency} or tokens)", min_value=0.0, max_value=1e12,

@@ -85,3 +85,14 @@ def test_a_viewer_sees_key_budgets_but_no_key_budget_form(stack, page):
     at = page("chargeback", role="viewer")
     assert not at.exception and "search-svc" in _key_table(at).index
     assert not {"Set key budget", "Remove key budget", "Remove budget"} & {b.label for b in at.button}
+
+
+def test_the_same_editor_removes_a_team_budget(stack, page):
+    with session_scope(stack.db_url) as s:
+        budgets.set_budget(s, "search", 100, "USD", actor="test")
+    at = page("chargeback")
+    at.selectbox(key="budget_remove_owner").select("search")
+    _button(at, "Remove budget").click().run()
+    assert not at.exception and "Not changed" not in _text(at.error), _text(at.error)
+    assert _audit(stack.db_url)[0][:3] == ("alice", "delete_budget", "search")
+    assert "team search: budget removed" in _text(at.success)
