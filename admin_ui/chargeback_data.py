@@ -1,5 +1,6 @@
 """The chargeback page's numbers: cost over time, breakdowns, unit cost, budgets vs actual with a month-end
-forecast, GPU-hours, and the export file. All cost comes from usage.chargeback (one pricing definition),
+forecast, each API key's own budget against the routers' spend, the budget editor's input check, GPU-hours,
+and the export file. All cost comes from usage.chargeback (one pricing definition),
 so the page's totals are the `fleet usage report` totals for the same filters.
 
 Dates are UTC days; the page's range is inclusive of its last day (chargeback's `until` is exclusive).
@@ -9,6 +10,7 @@ from __future__ import annotations
 import calendar
 import datetime as dt
 import io
+import math
 from dataclasses import dataclass, field
 from decimal import Decimal
 
@@ -20,6 +22,7 @@ from admin_ui.usage_data import store_path
 from common.settings import load_settings
 from registry import budgets
 from registry.db import session_scope
+from registry.queries import list_callers
 from usage import chargeback, store
 
 FILTER_DIMENSIONS = ("team", "model", "version", "adapter", "tier", "caller")
@@ -135,6 +138,67 @@ def budget_status(now: dt.datetime, currency: str, path=None, db_url: str | None
     return pd.DataFrame(rows, columns=["team", "month_to_date", "forecast_month_end", "budget", "used_share",
                                        "status", "period", "unit", "routers_spent", "routers_reserved"]
                         ).sort_values("team").reset_index(drop=True)
+
+
+KEY_BUDGET_COLUMNS = ["caller", "team", "budget", "unit", "period", "current_period", "spent", "reserved",
+                      "used_share", "soft_share", "enforce", "status"]
+
+
+def callers(db_url: str | None = None) -> dict[str, str]:
+    """Every registered caller (API key) -> its team, by name."""
+    with session_scope(db_url or load_settings().db_url) as s:
+        return {c.name: c.team for c in sorted(list_callers(s), key=lambda c: c.name)}
+
+
+def key_budget_status(currency: str, db_url: str | None = None) -> pd.DataFrame:
+    """Per caller with a budget of its own: the budget and what the routers counted against it in its current
+    period: `spent` (settled requests) and `reserved` (worst case of those in flight), the very rows admission
+    checks (registry/quotas.py refuses a request when spent + reserved + its worst case passes the budget)."""
+    with session_scope(db_url or load_settings().db_url) as s:
+        spend = budgets.spend_rows(s, scope=budgets.KEY)
+        teams = {c.name: c.team for c in list_callers(s)}
+        rows = []
+        for b in budgets.list_budgets(s, budgets.KEY):
+            d, used = budgets.budget_dict(b), spend.get(b.caller, {})
+            spent, reserved = used.get("spent", 0.0), used.get("reserved", 0.0)
+            share = (spent + reserved) / d["monthly_amount"] if d["monthly_amount"] else None
+            rows.append({"caller": b.caller, "team": teams.get(b.caller, ""), "budget": d["monthly_amount"],
+                         "unit": d["unit"] if d["unit"] == "tokens" else d["currency"], "period": d["period"],
+                         "current_period": used.get("current_period"), "spent": spent, "reserved": reserved,
+                         "used_share": share, "soft_share": d["soft_share"], "enforce": d["enforce"],
+                         "status": _key_status(d, spent + reserved, currency)})
+    return pd.DataFrame(rows, columns=KEY_BUDGET_COLUMNS)
+
+
+def _key_status(b: dict, committed: float, currency: str) -> str:
+    note = f" (budget in {b['currency']}, prices in {currency})" if b["unit"] == "money" and \
+        b["currency"] != currency else ""
+    if committed >= b["monthly_amount"]:
+        return ("over budget: requests refused" if b["enforce"] else "over budget (not enforced)") + note
+    if committed >= b["soft_share"] * b["monthly_amount"]:
+        return "past the warning share: callers are warned" + note
+    return "within budget" + note
+
+
+def budget_input_problems(owner_label: str, owner: str | None, amount: float, unit: str,
+                          soft_share: float) -> dict[str, str]:
+    """Field -> why the budget editor's input is refused and what is allowed, before anything is sent (the
+    router checks the same bounds again: registry/budgets.py budget_problem)."""
+    problems = {}
+    if not owner:
+        problems["owner"] = f"{owner_label}: choose one; the budget belongs to it"
+    if not isinstance(amount, (int, float)) or not math.isfinite(amount) or \
+            not 0 <= amount <= budgets.MAX_MONTHLY_AMOUNT:
+        problems["amount"] = (f"Budget per period is {amount!r}; allowed 0 to {budgets.MAX_MONTHLY_AMOUNT:,.0f} "
+                              "(0 refuses every request while enforced)")
+    elif unit == "tokens" and amount != int(amount):
+        problems["amount"] = f"Budget per period is {amount:g} tokens; a token budget is a whole number of tokens"
+    if unit not in budgets.UNITS:
+        problems["unit"] = f"Unit is {unit!r}; allowed {', '.join(budgets.UNITS)}"
+    if not isinstance(soft_share, (int, float)) or not 0 < soft_share <= 1:
+        problems["soft_share"] = (f"Warn at share is {soft_share!r}; allowed above 0 up to 1 (0.8 warns callers "
+                                  "from 80 % of the budget)")
+    return problems
 
 
 def gpu_hours(f: Filters, path=None) -> pd.DataFrame:

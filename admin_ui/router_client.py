@@ -8,6 +8,7 @@ Every call raises one of two errors the pages can show next to the control that 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -90,9 +91,15 @@ class RouterClient:
         """`cordon`, `drain` or `uncordon`; returns the replica's new state."""
         return self._call("POST", f"/replicas/{replica_id}/{action}")["state"]
 
-    def set_budget(self, team: str, monthly_amount: float, **options: object) -> dict:
-        """PUT /admin/budgets/{team}: the team's budget per period (options: period, unit, soft_share, enforce)."""
-        return self._call("PUT", f"/budgets/{team}", {"monthly_amount": monthly_amount, **options})
+    def set_budget(self, owner: str, monthly_amount: float, scope: str = "team", **options: object) -> dict:
+        """A team's budget per period (PUT /admin/budgets/{team}) or, with scope="key", one API key's own
+        (PUT /admin/callers/{name}/budget); options: period, unit, soft_share, enforce. One path for both:
+        the router validates and audits (set_budget / set_key_budget)."""
+        return self._call("PUT", _budget_path(owner, scope), {"monthly_amount": monthly_amount, **options})
+
+    def delete_budget(self, owner: str, scope: str = "team") -> dict:
+        """DELETE the team's (or, scope="key", the key's own) budget; 404 when it has none (audited)."""
+        return self._call("DELETE", _budget_path(owner, scope))
 
     def budgets(self) -> dict:
         """GET /admin/budgets: every budget with the routers' spend and reservations this period."""
@@ -115,6 +122,13 @@ class RouterClient:
                 raise AdminApiError(404, "this router has no warm-buffer endpoint (PUT /admin/warm-buffers/"
                                          "{model}/{version}) yet; nothing was written") from exc
             raise
+
+
+def _budget_path(owner: str, scope: str) -> str:
+    if scope not in ("team", "key"):
+        raise ValueError(f"budget scope is {scope!r}; allowed 'team' or 'key'")
+    name = quote(owner, safe="")  # a name with '/' or spaces stays one path segment
+    return f"/budgets/{name}" if scope == "team" else f"/callers/{name}/budget"
 
 
 def _error_message(resp: httpx.Response) -> tuple[str, str]:

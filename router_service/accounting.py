@@ -69,9 +69,10 @@ def account(producer, p: Prepared, finish: Finished | None, status: str, complet
                      first_token_at - p.arrived if first_token_at is not None else None)
     metrics.REQUESTS.labels(req.model, req.tier, status).inc()
     metrics.TOKENS.labels(req.model, req.tier).inc(completion_tokens)
-    metrics.PROMPT_TOKENS.labels(req.model, req.tier).inc(len(p.prompt_ids))
-    if finish is not None:
-        metrics.CACHED_PROMPT_TOKENS.labels(req.model, req.tier).inc(finish.cached_prompt_tokens)
+    if req.bill_prompt:  # choices 2..n of an `n` request share choice 1's prompt: counted once, as billed
+        metrics.PROMPT_TOKENS.labels(req.model, req.tier).inc(len(p.prompt_ids))
+        if finish is not None:
+            metrics.CACHED_PROMPT_TOKENS.labels(req.model, req.tier).inc(finish.cached_prompt_tokens)
     labels = (req.model, p.model.version, req.tier)
     metrics.REQUEST_DURATION.labels(*labels, status).observe(now - p.arrived)
     metrics.PROMPT_LENGTH.labels(*labels).observe(len(p.prompt_ids))

@@ -26,9 +26,13 @@ STREAM_TOKENS_PER_S = Histogram("fleet_router_stream_tokens_per_second", "Decode
                                 "(completion tokens after the first / time since the first token)",
                                 ["model", "tier"], buckets=RATE_BUCKETS)
 TOKENS = Counter("fleet_router_completion_tokens_total", "Completion tokens streamed to callers", ["model", "tier"])
-PROMPT_TOKENS = Counter("fleet_router_prompt_tokens_total", "Prompt tokens routed", ["model", "tier"])
+# Both prompt counters count a request's prompt once, as billing does (usage events): the n choices of an `n`
+# request share one prompt (GenerateRequest.bill_prompt), so choices 2..n add nothing here.
+PROMPT_TOKENS = Counter("fleet_router_prompt_tokens_total", "Prompt tokens routed (once per request; the n "
+                        "choices of a request share its prompt, as billed)", ["model", "tier"])
 CACHED_PROMPT_TOKENS = Counter("fleet_router_cached_prompt_tokens_total", "Prompt tokens the replica served from "
-                               "its prefix cache (as the replica reported)", ["model", "tier"])
+                               "its prefix cache (as the replica reported; once per request, as billed)",
+                               ["model", "tier"])
 SHED = Counter("fleet_router_shed_total", "Requests refused or dropped by admission (queue_full, deadline)",
                ["model", "tier", "reason"])
 INFLIGHT = Gauge("fleet_router_inflight_requests", "Streams in flight per replica", ["replica"])

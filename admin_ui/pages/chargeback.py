@@ -1,12 +1,13 @@
 """Chargeback, as finance reads it in FinOps tools: cost over time stacked by team (month to date by default),
 filters for team, model, version, adapter, tier and caller (kept in the URL), unit cost per 1M tokens,
-monthly budgets per team with a month-end forecast and overrun warnings, GPU-hours with the idle share,
+monthly budgets per team with a month-end forecast and overrun warnings, each API key's own budget against
+the routers' spend (operators set and remove both kinds), GPU-hours with the idle share,
 and the line items as CSV or Parquet. One currency everywhere (FLEET_CURRENCY)."""
 import datetime as dt
 
 import streamlit as st
 
-from admin_ui import charts_history, chargeback_data as cd, session, url_state, usage_data
+from admin_ui import budget_form, charts_history, chargeback_data as cd, session, url_state, usage_data
 
 ALL = "(all)"
 session.require_login()
@@ -74,28 +75,36 @@ if status is not None:
                "Routers' spend: what the routers settled against the budget this period (the same prices; "
                "requests over an enforced budget are refused), and what requests in flight reserve.")
     if session.is_operator():
-        with st.form("budget_form"):
-            teams = sorted(set(status["team"]) | set(choices["team"]))
-            b = st.columns([2, 2, 1, 1, 1, 1, 1])
-            team = b[0].selectbox("Team", teams, key="budget_team") if teams else b[0].text_input("Team",
-                                                                                                  key="budget_team")
-            amount = b[1].number_input(f"Budget per period ({currency} or tokens)", min_value=0.0, max_value=1e12,
-                                       value=0.0, step=10.0, format="%.6f", key="budget_amount")
-            period = b[2].selectbox("Period", ("month", "day"), key="budget_period")
-            unit = b[3].selectbox("Unit", ("money", "tokens"), key="budget_unit")
-            soft = b[4].number_input("Warn at share", min_value=0.01, max_value=1.0, value=0.8, step=0.05,
-                                     key="budget_soft_share")
-            enforce = b[5].checkbox("Refuse at 100 %", value=True, key="budget_enforce")
-            saved = b[6].form_submit_button("Set budget")
-        box = st.container()
-        if saved:
-            if not team:
-                box.error("Not changed: choose a team.")
-            else:
-                session.write(lambda: session.client().set_budget(team, float(amount), period=period, unit=unit,
-                                                                  soft_share=float(soft), enforce=bool(enforce)),
-                              f"budget of {team} set to {cd.money(amount)} {currency if unit == 'money' else 'tokens'}"
-                              f" per {period}", box)
+        budget_form.editor(budget_form.TEAM, sorted(set(status["team"]) | set(choices["team"])),
+                           sorted(status.loc[status["budget"].notna(), "team"]), currency)
+
+st.subheader("Budgets per API key")
+keys = session.safe("key budgets (registry)", cd.key_budget_status, currency)
+if keys is not None:
+    for row in keys[keys["status"].str.startswith("over budget")].itertuples():
+        st.error(f"Key **{row.caller}** (team {row.team}) is over budget: {row.spent + row.reserved:,.6g} of "
+                 f"{row.budget:,.6g} {row.unit} used or reserved this {row.period} ({row.current_period}); "
+                 + ("its requests are refused." if row.enforce else "not enforced."))
+    if keys.empty:
+        st.info("No API key has a budget of its own; each is limited by its team's budget only.")
+    else:
+        st.dataframe(keys, hide_index=True, width="stretch", column_order=[
+            "caller", "team", "status", "used_share", "budget", "unit", "period", "spent", "reserved", "current_period",
+            "soft_share", "enforce"], column_config={
+            "budget": st.column_config.NumberColumn("budget per period", format="%.6g"),
+            "unit": st.column_config.TextColumn("unit", help=f"{currency} or tokens"),
+            "spent": st.column_config.NumberColumn("routers' spend this period", format="%.6g"),
+            "reserved": st.column_config.NumberColumn("reserved in flight", format="%.6g"),
+            "used_share": st.column_config.ProgressColumn("budget used", min_value=0.0, max_value=1.0,
+                                                          format="percent"),
+            "soft_share": st.column_config.NumberColumn("warn at", format="percent")})
+    st.caption("A key's own budget is enforced besides its team's, by the same rule: a request is refused when "
+               "the routers' spend this period + what requests in flight reserve + its worst case (prompt + "
+               "max_tokens, priced at the model's rates) passes the budget. These are the routers' numbers.")
+    if session.is_operator():
+        owners = session.safe("callers (registry)", cd.callers) or {}
+        budget_form.editor(budget_form.KEY, list(owners), list(keys["caller"]), currency,
+                           describe=lambda name: f"{name} (team {owners.get(name, '?')})")
 
 st.subheader("Cost by team, model, version, adapter and tier")
 breakdown = session.safe("the cost breakdown (usage store)", cd.cost, filters,

@@ -1,8 +1,10 @@
 """Drive the running admin UI in headless Chromium (Debian's /usr/bin/chromium through Playwright):
 sign in, open every page from the sidebar, collect Streamlit exceptions and error boxes, take screenshots,
-reload to check the session survives, open deep links, read metrics and warnings, count write controls."""
+reload to check the session survives, open deep links, read metrics and warnings, count write controls, and set
+an API key's budget through the chargeback page's form."""
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +13,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
 WRITE_BUTTONS = ("Apply percent…", "Apply split…", "Promote…", "Roll back…", "Save", "Apply…", "Set budget",
-                 "Save rule", "Confirm")
+                 "Remove budget", "Set key budget", "Remove key budget", "Save rule", "Confirm")
 VIEWPORT = {"width": 1440, "height": 900}
 # sidebar label -> screenshot slug and the page's title (h1) to wait for
 PAGES = {"Fleet": ("fleet", "Fleet"), "Models & rollouts": ("rollouts", "Models & rollouts"),
@@ -87,19 +89,56 @@ def _open(page, label: str) -> None:
     _settle(page)
 
 
+@dataclass(frozen=True)
+class KeyBudget:
+    """An API key's own budget for the tour to set on the chargeback page (admin_ui/budget_form.py's form)."""
+    caller: str
+    amount: int
+    unit: str = "tokens"
+    period: str = "day"
+
+
+def _choose(page, scope, label: str, option: str) -> None:
+    """Pick `option` in the Streamlit selectbox labelled `label` inside `scope` (a combobox that opens on the arrow
+    key, not on a click; its list opens at page level and hides the rest of the page from role queries)."""
+    combo = scope.get_by_role("combobox", name=label, exact=True)
+    combo.click()
+    if page.get_by_role("listbox").count() == 0:
+        page.keyboard.press("ArrowDown")
+    page.get_by_role("option").filter(has_text=re.compile(rf"^{re.escape(option)}\b")).first.click()
+
+
+def set_key_budget(page, budget: KeyBudget, timeout_s: float) -> str:
+    """Fill and submit the key-budget form as an operator would; returns the success message the page shows."""
+    form = page.locator('[data-testid="stForm"]').filter(has=page.get_by_role("button", name="Set key budget"))
+    _choose(page, form, "Caller (API key)", budget.caller)
+    amount = form.get_by_label(re.compile(r"^Budget per period"))
+    amount.fill(str(budget.amount))
+    amount.press("Tab")
+    _choose(page, form, "Unit", budget.unit)
+    _choose(page, form, "Period", budget.period)
+    form.get_by_role("button", name="Set key budget").click()
+    done = page.locator('[data-testid="stAlertContentSuccess"]').filter(has_text=f"{budget.caller}: budget set")
+    done.wait_for(timeout=timeout_s * 1000)
+    _settle(page)
+    return done.inner_text()
+
+
 @dataclass
 class Tour:
     reports: list[PageReport]
     reload_kept_session: bool = False
     deep_link: PageReport | None = None
     viewer: list[PageReport] = field(default_factory=list)
+    key_budget_message: str = ""  # what the chargeback page said after the tour set `key_budget`
 
 
 def tour_admin_ui(ui_url: str, token: str, viewer_token: str, out_dir: Path, deep_link: str,
-                  simulate: bool = True, timeout_s: float = 90.0) -> Tour:
-    """As an operator: the login page, every page (screenshots out_dir/admin-<slug>.png), a reload, and the
-    chargeback deep link `deep_link` (path + query, e.g. '/chargeback?team=search'); then as a viewer:
-    every page again (admin-<slug>-viewer.png for rollouts), counting write controls."""
+                  simulate: bool = True, timeout_s: float = 90.0, key_budget: KeyBudget | None = None) -> Tour:
+    """As an operator: the login page, every page (screenshots out_dir/admin-<slug>.png; on the chargeback page
+    `key_budget` is set through its form first), a reload, and the chargeback deep link `deep_link` (path + query,
+    e.g. '/chargeback?team=search'); then as a viewer: every page again (admin-<slug>-viewer.png for rollouts),
+    counting write controls."""
     from playwright.sync_api import sync_playwright
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -115,6 +154,8 @@ def tour_admin_ui(ui_url: str, token: str, viewer_token: str, out_dir: Path, dee
             _sign_in(page, token)
             for label, (slug, _title) in PAGES.items():
                 _open(page, label)
+                if slug == "chargeback" and key_budget is not None:
+                    tour.key_budget_message = set_key_budget(page, key_budget, timeout_s)
                 if slug == "capacity" and simulate:
                     page.get_by_role("button", name="Simulate").click()
                     page.get_by_text("peak GPUs").wait_for(timeout=timeout_s * 1000)

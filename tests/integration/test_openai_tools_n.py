@@ -1,12 +1,15 @@
 """Tools and `n` with the stock `openai` SDK against the running platform (real SmolLM2): a tool-call round
 trip with tool_choice="required", a named tool choice streamed as the deltas the SDK accumulates, and n=4
-choices billed as 4 completions with the prompt once (response usage and the usage events in DuckDB)."""
+choices billed as 4 completions with the prompt once (response usage and the usage events in DuckDB), and the
+router's prompt-token counter counting an n=3 request's prompt once, as billed."""
 from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.processes import wait_until
 
@@ -19,6 +22,23 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The current time in a time zone",
     "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "EST"]}},
                    "required": ["zone"], "additionalProperties": False}}}
+
+
+def _billed(platform, request_id: str, n: int) -> list[tuple] | None:
+    """The usage rows of an `n` request (choice 1 is `request_id`, choice i `request_id-i`), once all n are in."""
+    from usage.store import connect
+    with connect(platform.data_dir / "usage.duckdb", read_only=True) as con:
+        rows = con.execute("SELECT request_id, prompt_tokens, completion_tokens FROM usage_events WHERE "
+                           "request_id = ? OR request_id LIKE ? ORDER BY request_id",
+                           [request_id, request_id + "-%"]).fetchall()
+    return rows if len(rows) == n else None
+
+
+def _prompt_counter(platform) -> float:
+    """fleet_router_prompt_tokens_total of MODEL, every tier, as the router's /metrics shows it now."""
+    page = httpx.get(f"{platform.http_url}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(page) if f.name == "fleet_router_prompt_tokens"
+               for s in f.samples if s.name.endswith("_total") and s.labels.get("model") == MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +91,6 @@ def test_named_tool_choice_streams_id_name_then_argument_fragments(client):
 
 
 def test_n_choices_are_billed_as_n_completions_with_the_prompt_once(client, platform):
-    from usage.store import connect
-
     messages = [{"role": "user", "content": "Write one sentence about the sea."}]
     one = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=1.0, seed=5)
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=1.0, seed=5, n=4,
@@ -82,12 +100,7 @@ def test_n_choices_are_billed_as_n_completions_with_the_prompt_once(client, plat
     per_choice = [len(c.logprobs.content) for c in out.choices]
     assert out.usage.completion_tokens == sum(per_choice) and out.usage.prompt_tokens == one.usage.prompt_tokens
 
-    def billed():
-        with connect(platform.data_dir / "usage.duckdb", read_only=True) as con:
-            rows = con.execute("SELECT request_id, prompt_tokens, completion_tokens FROM usage_events WHERE "
-                               "request_id = ? OR request_id LIKE ? ORDER BY request_id", [out.id, out.id + "-%"]).fetchall()
-        return rows if len(rows) == 4 else None
-    rows = wait_until(billed, 120, "the 4 usage rows in DuckDB (router -> Kafka -> loader)")
+    rows = wait_until(lambda: _billed(platform, out.id, 4), 120, "the 4 usage rows in DuckDB (router -> Kafka -> loader)")
     assert [r[1] for r in rows] == [one.usage.prompt_tokens, 0, 0, 0]
     assert sum(r[2] for r in rows) == out.usage.completion_tokens
     # streamed, with a JSON constraint: every choice is valid JSON, chunks carry their choice's index
@@ -105,3 +118,14 @@ def test_n_choices_are_billed_as_n_completions_with_the_prompt_once(client, plat
             reasons[ch.index] = ch.finish_reason or reasons[ch.index]
     assert reasons == ["stop"] * 3 and all(set(json.loads(t)) == {"name", "age"} for t in texts)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 3 * 5
+
+
+def test_the_prompt_token_counter_counts_an_n_request_prompt_once_as_billed(client, platform):
+    before = _prompt_counter(platform)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a river."}],
+                                         max_tokens=4, temperature=1.0, seed=3, n=3)
+    # the router counts a choice's tokens just before it spools its usage event: all 3 billed => all 3 counted
+    rows = wait_until(lambda: _billed(platform, out.id, 3), 120, "the 3 usage rows in DuckDB")
+    billed = sum(r[1] for r in rows)
+    assert billed == out.usage.prompt_tokens > 0 and [r[1] for r in rows] == [billed, 0, 0]
+    assert _prompt_counter(platform) - before == billed, "the prompt of an n=3 request counted once, as billed"
