@@ -2,13 +2,24 @@
 
 Several routers on one host (`fleet up --routers N`, FLEET_ROUTERS=N) share the callers' HTTP and gRPC ports
 through SO_REUSEPORT (the kernel spreads connections over them); router `--index i` has its own internal
-listener (port + i: replica reports, its own /metrics) and its own usage spool."""
+listener (port + i: replica reports, its own /metrics) and its own usage spool.
+
+Stopping (SIGTERM or SIGINT; docs/router.md, Stopping): the callers' listeners close, requests still queued for
+a replica slot and new requests on open connections get UNAVAILABLE (503) "router is stopping, retry elsewhere"
+at once, running streams get up to the grace (the longest total stream deadline, which also ends them), then
+the internal listener closes and usage and traces are flushed. Whatever still runs STOP_BOUND_S after the grace
+is cut by a watchdog: the process never outlives grace + STOP_BOUND_S (the pods' grace periods count on it)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import logging
+import os
 import signal
 import socket
+import threading
+import time
 
 import uvicorn
 
@@ -25,6 +36,19 @@ from router_service.internal_api import create_internal_app
 from router_service.registry_cache import RegistryCache
 from router_service.settings import RouterSettings
 from usage.producer import UsageProducer
+
+STOP_BOUND_S = 10.0  # after the grace: the last streams' bookkeeping, the internal listener, usage and trace flushes
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server without its own signal handling: since uvicorn 0.29 `serve` installs SIGINT/SIGTERM
+    handlers of its own (one server's replaces the other's), so SIGTERM stopped the internal listener at once
+    and reached the other servers only as a re-raised signal when it had finished; the router's handler
+    alone decides the order of its stop."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
 
 
 def parse_args(s: Settings, rs: RouterSettings) -> argparse.Namespace:
@@ -98,14 +122,12 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
     # a stopping router lets open streams run up to the longest total stream deadline (the pod's grace period
     # is sized from the same number: deploy/base/router.yaml), then closes what is left
     grace_s = rs.stream_timeouts().stop_grace_s()
-    config = uvicorn.Config(create_app(router), host=args.host, port=args.http_port,
-                            log_level="warning", lifespan="off", timeout_graceful_shutdown=int(grace_s))
-    http_server = uvicorn.Server(config)
-    http_server.install_signal_handlers = lambda: None
-    internal_server = uvicorn.Server(uvicorn.Config(
+    config = uvicorn.Config(create_app(router), host=args.host, port=args.http_port, log_level="warning",
+                            lifespan="off", timeout_graceful_shutdown=grace_s)  # type: ignore[arg-type] (a float works)
+    http_server = Server(config)
+    internal_server = Server(uvicorn.Config(
         create_internal_app(router, load_report_secret(settings), TokenReviewer.in_cluster()), host=args.internal_host,
-        port=args.internal_port, log_level="warning", lifespan="off"))
-    internal_server.install_signal_handlers = lambda: None
+        port=args.internal_port, log_level="warning", lifespan="off", timeout_graceful_shutdown=1))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -121,17 +143,42 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
              args.index, settings.routers, args.host, args.grpc_port, args.host, args.http_port, args.internal_host,
              args.internal_port, registry.snapshot.version)
     await stop.wait()
-    log.info("router stopping")
-    http_server.should_exit = internal_server.should_exit = True
+    started = time.monotonic()
+    _watchdog(grace_s + STOP_BOUND_S, log)
+    queued = router.begin_stop()
+    log.info("router stopping: %d queued requests refused (retry elsewhere), %d running get up to %g s",
+             queued, len(router.requests.handles) - queued, grace_s)
+    http_server.should_exit = True
     await asyncio.gather(grpc_server.stop(grace=grace_s), http_task)  # both within the one grace period
+    await _settled(router, deadline=time.monotonic() + 2.0)  # streams cut at the grace bill what they streamed
+    internal_server.should_exit = True  # replica reports until the last stream ended
     await internal_task
     watcher.cancel()
     renewer.cancel()
     prices.cancel()
     await router.close()
-    if producer is not None:
-        producer.close()
+    if producer is not None:  # what it cannot send in time stays spooled for the next start
+        producer.close(timeout_s=3.0)
     tracing.shutdown()
+    log.info("router stopped after %.2f s", time.monotonic() - started)
+
+
+async def _settled(router: Router, deadline: float) -> None:
+    """Until the streams cancelled at the end of the grace have unwound (usage event written), or `deadline`."""
+    while router.requests.handles and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def _watchdog(after_s: float, log: logging.Logger) -> None:
+    """Ends the process `after_s` from now whatever is still running (a daemon thread: a stuck event loop,
+    thread or flush cannot hold the stop past it)."""
+    def cut() -> None:
+        log.error("router still stopping %.1f s after SIGTERM (grace + %g s): exiting now", after_s, STOP_BOUND_S)
+        logging.shutdown()
+        os._exit(1)
+    timer = threading.Timer(after_s, cut)
+    timer.daemon = True
+    timer.start()
 
 
 def main() -> None:

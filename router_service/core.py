@@ -3,7 +3,9 @@ a replica slot), proxy the stream (resuming on another replica if one dies), and
 
 Frontends call `authenticate`, then `prepare` (all caller errors, shedding and queueing happen here,
 before any byte is streamed; on success a replica slot is reserved), then iterate `stream`, and call
-`release_unstarted` in a `finally` in case `stream` never ran.
+`release_unstarted` in a `finally` in case `stream` never ran. A request's total deadline (the earlier of the
+caller's deadline_ms and its tier's stream deadline) counts from its arrival, queue wait included. `begin_stop`
+(SIGTERM) refuses new and queued requests with UNAVAILABLE; running streams go on (docs/router.md, Stopping).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from router_service import metrics, tracing
@@ -20,7 +22,7 @@ from router_service.accounting import account, open_ledger_entry
 from router_service.admission import AdmissionQueue
 from router_service.batch_yield import BatchYield
 from router_service.cancellation import CancelHandle, InflightRequests
-from router_service.errors import RouterError
+from router_service.errors import RouterError, router_stopping
 from router_service.fair_queue import FairShare
 from router_service.gateway import Gateway, QuotaLedger
 from router_service.regions import candidate_tiers, home_region
@@ -71,6 +73,8 @@ class Router:
         self.prober = ReplicaProber(registry, self.replicas, self.client_for, self.healing.probe)
         # max_tokens of a request that sets none: the rest of the context, at most this per tier
         self.default_max_tokens = dict(default_max_tokens or DEFAULT_MAX_TOKENS)
+        self.stopping = False  # set once by begin_stop: nothing new starts
+        self.stop_hooks: list[Callable[[], None]] = []  # frontends' wake-ups for begin_stop (idle gRPC streams)
 
     @property
     def inflight(self) -> dict[str, int]:
@@ -91,10 +95,13 @@ class Router:
         return resolve_model(self.registry.snapshot, caller, req,
                              lambda: {r.version: r.effective for r in self.readiness(req.model, home)})
 
-    async def prepare(self, caller: CallerInfo, req: GenerateRequest) -> Prepared:
-        """Validate, tokenise, check quota, and wait for a replica slot (admission queue)."""
-        arrived = time.monotonic()
+    async def prepare(self, caller: CallerInfo, req: GenerateRequest, arrived: float | None = None) -> Prepared:
+        """Validate, tokenise, check quota, and wait for a replica slot (admission queue). `arrived`: when the
+        frontend got the request (monotonic; now by default): its total deadline counts from then."""
+        arrived = time.monotonic() if arrived is None else arrived
         try:
+            if self.stopping:
+                raise router_stopping(req.request_id)
             self.gateway.check_rate(caller.name)
             model = self.resolve_model(caller, req)
             req.validate(model.max_context)
@@ -166,8 +173,14 @@ class Router:
 
     async def admit(self, p: Prepared, exclude: set[str], ids: list[int], max_tokens: int) -> Placement:
         """Reserve a slot on the best replica for prompt `ids`, waiting in the model version's admission
-        queue if none has room now or if its replicas are still starting (up to the request's deadline)."""
+        queue if none has room now or if its replicas are still starting, up to the request's total deadline
+        (counted from its arrival); a stopping router starts nothing new (its queued requests are refused)."""
         req = p.req
+        end = self.timeouts.total_deadline(req.tier, p.arrived, req.deadline_ms)
+        if self.stopping and not p.started:
+            raise router_stopping(req.request_id)
+        if end.passed():
+            raise end.queued_error(f"{p.model.name}:{p.model.version}", 0.0)
         if self.replicas.must_wait(p.model, p.home, req.tier, exclude):
             log.info("request %s waits for a starting replica of %s version %s", req.request_id, p.model.name,
                      p.model.version)
@@ -195,14 +208,42 @@ class Router:
         def cancelled() -> bool:
             return p.handle is not None and p.handle.cancelled
 
+        def stop_waiting() -> bool:
+            """The queue's cancel check (every REPUMP_S): also the router stopping and the total deadline.
+            The queue orders tickets by the caller's deadline_ms only: the stream deadline, which every
+            request has, would turn the fair shares within a tier into arrival order."""
+            return cancelled() or (self.stopping and not p.started) or end.passed()
+
         if req.tier == "interactive":
             self.batch_yield.interactive_arrived(key)
+        queued_at = time.monotonic()
         with tracing.admission_span(req.tier) as span:
-            placement = await self.queue_for(p.model).admit(
-                req.tier, req.deadline_ms, try_place, self._release_slot, req.request_id, cancelled,
-                FairShare(p.caller.team, p.caller.team_weight, len(ids) + max_tokens))
+            try:
+                placement = await self.queue_for(p.model).admit(
+                    req.tier, req.deadline_ms, try_place, self._release_slot, req.request_id, stop_waiting,
+                    FairShare(p.caller.team, p.caller.team_weight, len(ids) + max_tokens))
+            except RouterError as exc:
+                if exc.code not in ("cancelled", "deadline_exceeded") or cancelled():
+                    raise
+                waited = time.monotonic() - queued_at
+                if self.stopping and not p.started:
+                    metrics.SHED.labels(p.model.name, req.tier, "stopping").inc()
+                    raise router_stopping(req.request_id, waited) from None
+                if exc.code == "cancelled":  # the stream deadline (the queue counts its own deadline sheds)
+                    metrics.SHED.labels(p.model.name, req.tier, end.reason).inc()
+                log.info("%s of %s passed after %.2f s in the admission queue of %s", end.reason, req.request_id,
+                         waited, key)
+                raise end.queued_error(key, waited) from None
             tracing.placed(span, placement)
         return placement
+
+    def begin_stop(self) -> int:
+        """SIGTERM: refuse new requests and those waiting for a slot (UNAVAILABLE, retry elsewhere; queued ones
+        notice within the queue's re-check period, 0.1 s); running streams go on. Returns how many wait."""
+        self.stopping = True
+        for hook in self.stop_hooks:
+            hook()
+        return sum(len(q.waiting) for q in self.queues.values())
 
     def _release_slot(self, placement: Placement, model: ModelInfo | None = None, held_s: float | None = None) -> None:
         self.chooser.release(placement)
@@ -255,10 +296,10 @@ class Router:
         cached_tokens = 0
         kills: list[str] = []  # replicas that died or hung while streaming this request
         text = StreamText()
-        # the total stream deadline (per tier) caps how long this stream may run; the caller's own may be earlier
-        stream_end_ms = self.timeouts.stream_deadline_ms(req.tier, p.arrived)
-        callers_first = req.deadline_ms is not None and req.deadline_ms <= stream_end_ms
-        end_ms, end_reason = (req.deadline_ms, "deadline") if callers_first else (stream_end_ms, "stream_deadline")
+        # the total stream deadline (per tier, from arrival) caps how long this stream may run; the caller's own
+        # may be earlier
+        end = self.timeouts.total_deadline(req.tier, p.arrived, req.deadline_ms)
+        end_ms, end_reason = end.end_ms, end.reason
         ledger = open_ledger_entry(self.usage, p)
         if req.tier == "interactive":
             self.batch_yield.interactive_started(key)
@@ -273,7 +314,7 @@ class Router:
                     except RouterError as exc:
                         if exc.code not in ("deadline_exceeded", "cancelled"):
                             raise
-                        finish = self._finished(p, "deadline" if exc.code == "deadline_exceeded" else "cancelled",
+                        finish = self._finished(p, end_reason if exc.code == "deadline_exceeded" else "cancelled",
                                                 emitted, replica_id, cached_tokens)
                         break
                 replica_id = placement.replica.replica_id

@@ -61,5 +61,18 @@ class RouterError(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 
+# a stopping router's refusals: retry at once, elsewhere (this router's listeners are closed, so a new connection
+# reaches another router); HTTP rounds it up to `Retry-After: 1`
+STOPPING_RETRY_AFTER_MS = 100
+
+
+def router_stopping(request_id: str, queued_s: float | None = None) -> RouterError:
+    """UNAVAILABLE for a request a stopping router will not start (docs/router.md, Stopping)."""
+    where = "arrived" if queued_s is None else f"waited {queued_s:.2f} s in the admission queue"
+    return RouterError("unavailable", f"router is stopping: request {request_id} {where} and was not started; "
+                                      f"retry elsewhere (a new connection reaches another router)",
+                       STOPPING_RETRY_AFTER_MS)
+
+
 def invalid(field: str, why: str, code: str = "invalid_argument") -> RouterError:
     return RouterError(code, f"{field}: {why}", param=field)

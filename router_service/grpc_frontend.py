@@ -7,12 +7,17 @@ the other requests on the stream carry on. Responses queue per stream with a bou
 
 Who may call it: callers with an API key, for every RPC but ServerLive / ServerReady / ServerMetadata;
 ModelMetadata, ModelReady and RepositoryIndex show only what the key may use (visibility.py).
+
+A stopping router (SIGTERM, `Router.begin_stop`) answers new and queued requests UNAVAILABLE (in-band on a
+stream) and ends each ModelStreamInfer stream with UNAVAILABLE once none of its requests runs, so an idle open
+stream does not hold the stop for the whole grace period; the caller opens a new one (another router).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 
 import grpc
 from tritonclient.grpc import service_pb2 as pb
@@ -20,7 +25,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from router_service import tracing
 from router_service.core import Router
-from router_service.errors import RouterError
+from router_service.errors import STOPPING_RETRY_AFTER_MS, RouterError
 from router_service.grpc_decode import DecodeGuard, Undecodable
 from router_service.kserve_codec import decode_request, encode_stream_response, merge_responses
 from router_service.visibility import visible_models
@@ -46,6 +51,13 @@ async def _abort(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
 class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
+        self.stream_queues: set[asyncio.Queue] = set()  # each open ModelStreamInfer's, woken on stop
+        router.stop_hooks.append(self._wake_streams)
+
+    def _wake_streams(self) -> None:
+        for queue in self.stream_queues:
+            if not queue.full():  # a full one is busy: its loop checks `stopping` after each item anyway
+                queue.put_nowait("stop")
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
@@ -98,10 +110,11 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return out
 
     async def _run(self, request: pb.ModelInferRequest, api_key: str | None):
+        arrived = time.monotonic()  # the request's total deadline counts from here
         caller = self.router.authenticate(api_key)
         if isinstance(request, Undecodable):  # on a stream: this request's bytes did not parse (grpc_decode)
             raise RouterError("invalid_argument", request.message)
-        prepared = await self.router.prepare(caller, decode_request(request))
+        prepared = await self.router.prepare(caller, decode_request(request), arrived)
         return prepared
 
     async def ModelInfer(self, request, context):
@@ -171,19 +184,25 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             await queue.put("eof")
 
         reader = asyncio.create_task(read_requests())
+        self.stream_queues.add(queue)
         client_done = False
         try:
             while not (client_done and pending == 0):
+                if self.router.stopping and pending == 0:
+                    await _abort(context, RouterError("unavailable", "router is stopping: this stream's requests "
+                                                      "are done; open a new stream (another router) for more",
+                                                      STOPPING_RETRY_AFTER_MS))
                 item = await queue.get()
                 if item is None:
                     pending -= 1
-                elif isinstance(item, str):  # "eof": the caller sent all its requests
-                    client_done = True
+                elif isinstance(item, str):  # "eof": the caller sent all its requests; "stop": checked above
+                    client_done = client_done or item == "eof"
                 elif isinstance(item, RouterError):
                     await _abort(context, item)
                 else:
                     yield item
         finally:  # caller went away or aborted: cancel upstream work so replicas free KV blocks
+            self.stream_queues.discard(queue)
             reader.cancel()
             for task in list(tasks):
                 task.cancel()

@@ -99,6 +99,7 @@ def create_app(router: Router) -> FastAPI:
                 "max_context": max(v.max_context for v in snap.models[model_id].values())}
 
     async def run(request: Request, schema: type[CompletionBody] | type[ChatBody], chat: bool):
+        arrived = time.monotonic()  # the request's total deadline counts from here (body upload included)
         caller = router.authenticate(_bearer(request))
         body = await _parse(request, schema)
         req = body.request()
@@ -107,7 +108,7 @@ def create_app(router: Router) -> FastAPI:
         prepared: list[Prepared] = []
         try:   # `n` choices are n requests sharing the prompt (the choices' own seeds; the prompt billed once)
             for r in [req] + [fork(req, i) for i in range(1, body.n)]:
-                prepared.append(await router.prepare(caller, r))
+                prepared.append(await router.prepare(caller, r, arrived))
         except BaseException:
             for p in prepared:
                 router.release_unstarted(p)

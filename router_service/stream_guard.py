@@ -5,11 +5,13 @@ Timeouts per tier are router settings (router_service/settings.py), as `interact
 or one number for every tier:
 - FLEET_ROUTER_FIRST_TOKEN_TIMEOUT_S: from the upstream call to its first token (prefill included);
 - FLEET_ROUTER_INTER_TOKEN_TIMEOUT_S: between two responses of a stream;
-- FLEET_ROUTER_STREAM_DEADLINE_S: the total time from a request's arrival to its stream's end (queue wait,
-  prefill, every token, resumes included). A stream still running then ends in band with finish_reason
-  `stream_deadline` (the tokens so far are delivered and billed); a caller's own earlier `deadline_ms` ends it
-  with `deadline`. The longest deadline is also how long a stopping router lets its streams finish
-  (`stop_grace_s`), and what a replica's drain and both pods' grace periods are sized from (deploy/, docs/kubernetes.md).
+- FLEET_ROUTER_STREAM_DEADLINE_S: the total time from a request's arrival at the router to its stream's end
+  (admission queue wait, prefill, every token, resumes included; `TotalDeadline`). A request still queued then
+  is refused with DEADLINE_EXCEEDED naming the deadline and its wait; a stream still running then ends in band
+  with finish_reason `stream_deadline` (the tokens so far are delivered and billed); a caller's own earlier
+  `deadline_ms` does the same with `deadline`. The longest deadline is also how long a stopping router lets its
+  streams finish (`stop_grace_s`), and what a replica's drain and both pods' grace periods are sized from
+  (deploy/, docs/kubernetes.md).
 When one passes, the router judges the replica (docs/reliability.md, Slow is not dead): one whose state
 reports show its engine stepping is slow, not dead (the stream keeps waiting, new work is held back); the
 last serving replica of a model that stopped reporting is suspect, not cordoned (the stream keeps waiting
@@ -32,6 +34,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from common.text import IncrementalDetokenizer
+from router_service.errors import RouterError
 from router_service.request import TIERS, Finished, TokenDelta
 from router_service.upstream import ReplicaFailed
 
@@ -82,6 +85,40 @@ class StreamTimeouts:
     def stop_grace_s(self) -> float:
         """How long a stopping router lets its open streams run: the longest total stream deadline."""
         return max(self.stream_deadline_s.values())
+
+    def total_deadline(self, tier: str, arrived_monotonic: float, caller_deadline_ms: int | None) -> "TotalDeadline":
+        """The earlier of the caller's `deadline_ms` and the tier's total stream deadline, both counted from
+        the request's arrival at the router (monotonic `arrived_monotonic`)."""
+        stream_end_ms = self.stream_deadline_ms(tier, arrived_monotonic)
+        if caller_deadline_ms is not None and caller_deadline_ms <= stream_end_ms:
+            return TotalDeadline(caller_deadline_ms, "deadline", tier, self.stream_deadline_s[tier], arrived_monotonic)
+        return TotalDeadline(stream_end_ms, "stream_deadline", tier, self.stream_deadline_s[tier], arrived_monotonic)
+
+
+@dataclass(frozen=True)
+class TotalDeadline:
+    """When a request's time at the router ends, and which deadline ends it: `deadline` (the caller's own
+    deadline_ms) or `stream_deadline` (its tier's FLEET_ROUTER_STREAM_DEADLINE_S from arrival)."""
+    end_ms: int
+    reason: str
+    tier: str
+    tier_s: float
+    arrived: float  # monotonic
+
+    def passed(self) -> bool:
+        return self.end_ms <= time.time() * 1000
+
+    def what(self) -> str:
+        if self.reason == "deadline":
+            return "the caller's deadline_ms"
+        return f"the total stream deadline of tier {self.tier!r} ({self.tier_s:g} s from arrival at the router)"
+
+    def queued_error(self, queue: str, waited_s: float) -> RouterError:
+        """DEADLINE_EXCEEDED for a request whose deadline passed while it waited for a replica slot."""
+        return RouterError("deadline_exceeded",
+                           f"{self.what()} passed after {waited_s:.2f} s in the admission queue of {queue} "
+                           f"({time.monotonic() - self.arrived:.2f} s after the request arrived); nothing was "
+                           f"generated", param="deadline_ms" if self.reason == "deadline" else None)
 
 
 class DeadlineReached(Exception):

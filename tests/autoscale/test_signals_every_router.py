@@ -25,8 +25,7 @@ ADMIN = "admin-token-for-the-autoscaler-test"
 
 def _router(host: str, port: int, db_url: str, data_dir: Path, log: Path) -> subprocess.Popen:
     env = dict(os.environ, FLEET_DATA_DIR=str(data_dir), FLEET_ADMIN_TOKEN=ADMIN, FLEET_REPORT_SECRET="s",
-               FLEET_ROUTER_START_WAIT_S="600",
-               FLEET_ROUTER_STREAM_DEADLINE_S="2")  # also its stop grace: the queued requests do not hold it up
+               FLEET_ROUTER_START_WAIT_S="600")  # a stopping router refuses queued requests at once: no wait on them
     cmd = [sys.executable, "-m", "router_service", "--host", host, "--http-port", str(port), "--grpc-port",
            str(free_port()), "--internal-host", host, "--internal-port", str(free_port()), "--db-url", db_url,
            "--no-usage"]

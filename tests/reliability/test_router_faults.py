@@ -3,7 +3,9 @@
 elsewhere and cordon the hung replica; resumed text is exact inside a multi-byte character; a seeded
 sampled stream continues its random stream; a request that took two replicas down is not tried on a
 third; a stream past its tier's total stream deadline ends in band (finish_reason `stream_deadline`); one bad request on a gRPC stream is answered in-band; a non-streamed HTTP request whose caller left
-stops generating. Replicas are hung with SIGSTOP and given back with SIGCONT + uncordon after each test."""
+stops generating. Replicas are hung with SIGSTOP and given back with SIGCONT + uncordon after each test.
+On a second router with one slot per replica: the total deadline counts from arrival (queue wait included), and
+a router stopping (SIGTERM) refuses its queued requests at once while its running streams finish."""
 from __future__ import annotations
 
 import asyncio
@@ -22,6 +24,8 @@ from common.text import REPLACEMENT_CHAR, load_tokenizer
 from tests.integration.router_client import CHATML, build_inputs, stream_once
 from tests.observability.otlp_receiver import check_resumed_trace
 from tests.reliability.conftest import INTER_TOKEN_S, start_fault_stack
+from tests.reliability.side_router import (LONG_PROMPT, SideRouter, accepts, fill_slots, http_completion, idle_stream,
+                                           timed, until)
 
 pytestmark = pytest.mark.integration
 MODEL = "smollm2-135m"
@@ -292,3 +296,100 @@ def test_a_stream_past_its_tiers_total_deadline_ends_in_band_with_what_it_stream
     assert took < BATCH_STREAM_DEADLINE_S + 10, took
     fleet = stack.fleet()["replicas"]
     assert all(r["state"] == "serving" for r in fleet)  # the deadline is the request's, not a replica fault
+
+
+# --- a second router with one slot per replica: total deadlines while queued, stopping (tests take ~10 s each)
+SIDE_DEADLINE_S = 6.0  # the stop test's total deadline for every tier, so its stop grace too
+QUEUED_DEADLINE_S = {"interactive": 8.0, "batch": 2.0}  # the total deadline test's
+
+
+def test_a_queued_requests_total_deadline_counts_from_its_arrival(stack, tmp_path):
+    """Queued behind busy slots: a batch request (2 s total) is refused once its deadline passes while it waits,
+    over HTTP (504, OpenAI error) and in-band on gRPC, saying which deadline and how long it waited; an
+    interactive one (8 s) admitted after ~7 s of waiting streams only for what is left (not 8 s more)."""
+    interactive_s, batch_s = QUEUED_DEADLINE_S["interactive"], QUEUED_DEADLINE_S["batch"]
+    side = SideRouter.start(stack, tmp_path / "side.log", FLEET_ROUTER_REPLICA_CONCURRENCY="1",
+                            FLEET_ROUTER_STREAM_DEADLINE_S=f"interactive={interactive_s},batch={batch_s}")
+
+    async def main():
+        client = grpcaio.InferenceServerClient(side.grpc_url)
+        try:
+            fillers = await fill_slots(side, client, stack.api_key)
+            http = asyncio.create_task(http_completion(side.http_url, stack.api_key, "batch"))
+            grpc_batch = asyncio.create_task(timed(stream_once(client, MODEL, LONG_PROMPT, 20, stack.api_key,
+                                                               tier="batch")))
+            late = asyncio.create_task(timed(stream_once(client, MODEL, LONG_PROMPT, 2000, stack.api_key,
+                                                         tier="interactive")))
+            await until(lambda: side.fleet()["queues"]["smollm2-135m:1"]["by_tier"]["interactive"] == 1)
+            return await http, await grpc_batch, await late, await asyncio.gather(*fillers)
+        finally:
+            await client.close()
+    try:
+        (status, headers, body, http_took), (batch, batch_took), (late, late_took), fillers = \
+            asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        side.stop()
+    assert status == 504 and body["error"]["code"] == "deadline_exceeded", (status, body)
+    message = body["error"]["message"]
+    assert f"total stream deadline of tier 'batch' ({batch_s:g} s from arrival" in message, message
+    assert re.search(r"passed after \d+\.\d+ s in the admission queue of smollm2-135m:1", message), message
+    assert batch_s <= http_took < batch_s + 1.5, http_took
+    assert batch.error == "DEADLINE_EXCEEDED" and "tier 'batch'" in batch.error_message, batch
+    assert batch_s <= batch_took < batch_s + 1.5, batch_took
+    assert late.error is None and late.finish_reason == "stream_deadline", late
+    assert late_took < interactive_s + 1.5, late_took  # from its arrival: admitted after ~7 s, it ended ~1 s later
+    assert all(f.finish_reason == "stream_deadline" for f in fillers), fillers
+
+
+def test_a_stopping_router_refuses_queued_requests_at_once_and_lets_running_streams_finish(stack, tmp_path):
+    """SIGTERM with every slot busy and requests queued: the queued ones get UNAVAILABLE / 503 with a retry
+    at once, an idle open gRPC stream ends UNAVAILABLE at once, the listener refuses new connections, the
+    running streams go on streaming up to their deadline (= the stop grace), and the process then exits."""
+    grace_s = SIDE_DEADLINE_S
+    side = SideRouter.start(stack, tmp_path / "side.log", FLEET_ROUTER_REPLICA_CONCURRENCY="1",
+                            FLEET_ROUTER_STREAM_DEADLINE_S=str(grace_s))
+    token_times: list[float] = []
+
+    async def on_token(_so_far):
+        token_times.append(time.monotonic())
+
+    async def main():
+        client = grpcaio.InferenceServerClient(side.grpc_url)
+        try:
+            answered = asyncio.Event()
+            idle = asyncio.create_task(idle_stream(client, stack.api_key, answered))
+            await asyncio.wait_for(answered.wait(), 30)
+            fillers = await fill_slots(side, client, stack.api_key, on_token)
+            queued_grpc = asyncio.create_task(stream_once(client, MODEL, LONG_PROMPT, 20, stack.api_key,
+                                                          tier="interactive"))
+            queued_http = asyncio.create_task(http_completion(side.http_url, stack.api_key, "interactive"))
+            await until(lambda: side.waiting() == 2, timeout_s=3)
+            stopped_at = time.monotonic()
+            os.kill(side.proc.pid, signal.SIGTERM)
+            refused = await asyncio.wait_for(asyncio.gather(queued_grpc, queued_http, idle), 2)
+            refused_after = time.monotonic() - stopped_at
+            await until(lambda: not accepts(side), timeout_s=1)
+            ended = await asyncio.gather(*fillers)
+            last_stream_end = time.monotonic()
+            await until(lambda: side.proc.poll() is not None, timeout_s=grace_s + 15)
+            return refused, refused_after, ended, stopped_at, last_stream_end, time.monotonic()
+        finally:
+            await client.close()
+    try:
+        (grpc_out, http_out, idle_end), refused_after, ended, stopped_at, last_end, exited_at = \
+            asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        side.stop()
+    assert refused_after < 1.0, refused_after
+    assert grpc_out.error == "UNAVAILABLE" and "router is stopping" in grpc_out.error_message, grpc_out
+    assert grpc_out.retry_after_ms is not None and "retry elsewhere" in grpc_out.error_message, grpc_out
+    status, headers, body, _ = http_out
+    assert status == 503 and body["error"]["code"] == "unavailable" and headers.get("retry-after") == "1", http_out
+    assert "router is stopping" in body["error"]["message"] and "admission queue" in body["error"]["message"], body
+    assert "UNAVAILABLE" in idle_end[0] and "router is stopping" in idle_end[0], idle_end
+    assert idle_end[1] - stopped_at < 1.0, idle_end[1] - stopped_at
+    assert all(e.error is None and e.finish_reason == "stream_deadline" for e in ended), ended  # not cut: in band
+    assert any(t > stopped_at for t in token_times), "no token streamed after SIGTERM"
+    assert side.proc.returncode == 0, side.log.read_text()[-2000:]
+    assert exited_at - last_end < 3.0, exited_at - last_end  # exits once its last stream ended (~1 s of it Python's)
+    assert exited_at - stopped_at < grace_s + 3.0, exited_at - stopped_at
