@@ -24,7 +24,7 @@ _CODES = {
     "unavailable": (grpc.StatusCode.UNAVAILABLE, 503, "server_error"),
     "internal": (grpc.StatusCode.INTERNAL, 500, "server_error"),
     "cancelled": (grpc.StatusCode.CANCELLED, 499, "cancelled"),
-    # the replicas serving the request died or hung while streaming it (see core.MAX_REPLICA_KILLS)
+    # the replicas serving the request died or hung while streaming it (see stream_proxy.MAX_REPLICA_KILLS)
     "replica_failure": (grpc.StatusCode.ABORTED, 502, "server_error"),
     # the replica's engine refused the request before generating (its message is passed on)
     "engine_refused": (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),

@@ -33,8 +33,9 @@ PROMPT_TOKENS = Counter("fleet_router_prompt_tokens_total", "Prompt tokens route
 CACHED_PROMPT_TOKENS = Counter("fleet_router_cached_prompt_tokens_total", "Prompt tokens the replica served from "
                                "its prefix cache (as the replica reported; once per request, as billed)",
                                ["model", "tier"])
-SHED = Counter("fleet_router_shed_total", "Requests refused or dropped by admission (queue_full, deadline)",
-               ["model", "tier", "reason"])
+SHED = Counter("fleet_router_shed_total", "Requests refused or dropped by admission (queue_full; deadline: the "
+               "caller's deadline_ms or total deadline passed while queued; stream_deadline: the tier's total stream "
+               "deadline passed while queued; stopping: the router is stopping)", ["model", "tier", "reason"])
 INFLIGHT = Gauge("fleet_router_inflight_requests", "Streams in flight per replica", ["replica"])
 PLACEMENTS = Counter("fleet_router_placements_total", "Replica choices by policy (cost, round_robin) and region "
                      "(home, overflow)", ["model", "policy", "region"])
