@@ -10,10 +10,9 @@ sending 10x the others' rate only queues behind its own requests.
 
 Tiers and deadlines still come first (AdmissionQueue's ticket order: tier, deadline, finish tag, arrival).
 
-Several routers: each router keeps its own virtual clock per queue. With the load spread evenly over the
-routers (SO_REUSEPORT hashes connections; docs/router.md) each router sees every team at the same share
-of its traffic, so per-router fair shares add up to the same fleet-wide shares; the error is that of the
-spread, measured in tests/router/test_router_tier.py.
+Several routers: each router keeps its own virtual clock per queue, and router_service/fair_sync.py shares
+them through the registry database (virtual time = max over routers, each team's latest finish tag anywhere,
+and a router defers to another router's earlier waiting head), so shares hold when connections are skewed.
 """
 from __future__ import annotations
 
@@ -37,9 +36,10 @@ class VirtualClock:
         self.now = 0.0
         self.last_finish: dict[str, float] = {}
 
-    def tag(self, share: FairShare) -> tuple[float, float]:
-        """(start, finish) tags of an arriving request; the team's next request starts at `finish`."""
-        start = max(self.now, self.last_finish.get(share.team, 0.0))
+    def tag(self, share: FairShare, floor: float = 0.0) -> tuple[float, float]:
+        """(start, finish) tags of an arriving request; the team's next request starts at `finish`. `floor`:
+        the team's latest finish tag on other routers (fair_sync.py), 0 with one router."""
+        start = max(self.now, self.last_finish.get(share.team, 0.0), floor)
         finish = start + max(1.0, share.tokens) / max(MIN_WEIGHT, share.weight)
         self.last_finish[share.team] = finish
         if len(self.last_finish) > 10_000:  # bound memory: teams whose tags the clock has passed start at `now`
