@@ -76,7 +76,7 @@ class AdmissionQueue:
         ticket = Ticket((TIER_INDEX[tier], deadline_ms or math.inf, finish_tag, next(_seq)), tier, try_place,
                         asyncio.get_running_loop().create_future(), request_id, start_tag, share.team)
         self._enqueue(ticket)
-        self.pump()
+        self.pump(freed=False)
         try:
             while True:
                 timeout = REPUMP_S
