@@ -117,9 +117,8 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
     http_task = asyncio.create_task(http_server.serve(
         sockets=[shared_socket(args.host, args.http_port, settings.routers > 1)]))
     prices = asyncio.create_task(router.quotas.prices.refresh_forever())
-    # fair shares between teams across routers (issue 37): a shared virtual clock, only with several routers
-    fair = (asyncio.create_task(FairSync(SqlFairStore(args.db_url), router.quotas.router_id, router.queues)
-                                .run_forever()) if settings.routers > 1 else None)
+    # fair shares between teams across routers (issue 37): a shared virtual clock (slow while no other router)
+    fair = asyncio.create_task(FairSync(SqlFairStore(args.db_url), router.quotas.router_id, router.queues).run_forever())
     internal_task = asyncio.create_task(internal_server.serve())
     log.info("router %d of %d serving gRPC on %s:%d, HTTP on %s:%d, internal reports on %s:%d (registry version %d)",
              args.index, settings.routers, args.host, args.grpc_port, args.host, args.http_port, args.internal_host,
@@ -132,8 +131,7 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
     watcher.cancel()
     renewer.cancel()
     prices.cancel()
-    if fair is not None:
-        fair.cancel()
+    fair.cancel()
     await router.close()
     if producer is not None:
         producer.close()

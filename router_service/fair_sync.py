@@ -26,14 +26,17 @@ write), and a deferred slot waits for the other router's next pump; on real repl
 the freed slot only at the replica's next load report (~200 ms, shared_load.py). bench/router/fair_share.py
 measures it (`--sync memory` or `--sync URL`).
 
-Single router: nothing runs (Router starts FairSync only with `routers` > 1) and AdmissionQueue.peers is None,
-so the admission path is unchanged.
+Single router: FairSync runs on every router (Kubernetes runs N pods of one router each, so a router cannot
+know it is alone), but while no other router's row is fresh it exchanges only every `ALONE_S` (250 ms: a
+heartbeat, so that a router that starts finds it) and AdmissionQueue.peers stays None: the admission path is
+unchanged. A router that finds a fresh peer switches to `interval_s`.
 """
 from __future__ import annotations
 
 import asyncio
 import bisect
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,6 +52,7 @@ from registry.schema import FairHead
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 0.02     # exchange period (an enqueue wakes it sooner)
+ALONE_S = 0.25        # exchange period while no other router's row is fresh (one router: 4 exchanges/s)
 MIN_GAP_S = 0.005     # at most one exchange per 5 ms however often enqueues wake it
 TAGS_PER_TIER = 32    # a router publishes its first 32 finish tags per tier
 TTL_S = 1.0           # a peer row whose seq has not changed for this long no longer counts (dead router)
@@ -129,6 +133,11 @@ class FairSync:
         self._published: dict[str, Snapshot] = {}
         self._seen: dict[tuple[str, str], tuple[int, float]] = {}   # (router, queue) -> (seq, monotonic changed)
         self.wake = asyncio.Event()   # set by an admission queue on enqueue: publish the new head now
+        self.peer_seen_at = -math.inf  # monotonic time another router's row was last fresh
+
+    def alone(self) -> bool:
+        """No other router's row has been fresh for `ttl_s`: exchange slowly."""
+        return time.monotonic() - self.peer_seen_at > self.ttl_s
 
     async def run_forever(self) -> None:
         while True:
@@ -147,6 +156,10 @@ class FairSync:
         """Wait up to `interval_s` (less when an enqueue wakes it), and meanwhile retry the head of each queue
         whose head goes before every other router's: the slot another router left to it frees there, and this
         router learns of it only by trying (on real replicas, from the replica's next report)."""
+        if self.alone():   # nobody to share with: a slow heartbeat so that a router that starts finds this one
+            await asyncio.sleep(ALONE_S)
+            self.wake.clear()
+            return
         until = time.monotonic() + self.interval_s
         while True:
             await asyncio.sleep(MIN_GAP_S)
@@ -186,6 +199,8 @@ class FairSync:
                 p.tags[tier] = sorted(p.tags.get(tier, []) + tags)
             for team, tag in snap.teams.items():
                 p.teams[team] = max(p.teams.get(team, 0.0), tag)
+        if folded:
+            self.peer_seen_at = now
         for name, q in queues.items():
             p = folded.get(name)
             q.peers = p

@@ -80,9 +80,11 @@ def start_syncs(queues: list[AdmissionQueue], sync: str | None) -> list[asyncio.
     if sync in (None, "off") or len(queues) == 1:
         return []
     store = MemoryFairStore() if sync == "memory" else SqlFairStore(sync)
-    return [asyncio.create_task(FairSync(store, f"router-{i}-{time.monotonic_ns()}", {q.name: q},
-                                                 fair_sync.INTERVAL_S).run_forever())
-            for i, q in enumerate(queues)]
+    syncs = [FairSync(store, f"router-{i}-{time.monotonic_ns()}", {q.name: q}, fair_sync.INTERVAL_S)
+             for i, q in enumerate(queues)]
+    for s in syncs:
+        s.peer_seen_at = time.monotonic()   # routers that found each other (steady state, not the first 250 ms)
+    return [asyncio.create_task(s.run_forever()) for s in syncs]
 
 
 async def stop(tasks: list[asyncio.Task]) -> None:
