@@ -248,8 +248,8 @@ class RollbackRule(Base):
 
 class FairHead(Base):
     """One router's fair-queueing state for one admission queue (router_service/fair_sync.py): its virtual time,
-    the finish tag of its best waiting request per tier and the last finish tag of each team it has waiting.
-    Rewritten every ~50 ms while requests wait; `seq` grows on each write, and a row whose seq stops growing
+    its first waiting finish tags per tier and what each team it has waiting has tagged there in all.
+    Rewritten every ~20 ms while requests wait; `seq` grows on each write, and a row whose seq stops growing
     (a dead router) is ignored by the others after a TTL."""
     __tablename__ = "fair_heads"
     router_id: Mapped[str] = mapped_column(String(128), primary_key=True)
@@ -257,5 +257,5 @@ class FairHead(Base):
     seq: Mapped[int] = mapped_column(BigInteger, default=0)
     vt: Mapped[float] = mapped_column(Float, default=0.0)
     heads: Mapped[dict] = mapped_column(JSON, default=dict)   # tier index (str) -> finish tag
-    teams: Mapped[dict] = mapped_column(JSON, default=dict)   # team -> last finish tag
+    teams: Mapped[dict] = mapped_column(JSON, default=dict)   # team -> tokens / weight tagged in all
     updated_at: Mapped[float] = mapped_column(Float)          # unix seconds (old rows are deleted)

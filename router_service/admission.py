@@ -66,7 +66,7 @@ class AdmissionQueue:
         """Return a placement (slot reserved) or raise RESOURCE_EXHAUSTED / DEADLINE_EXCEEDED."""
         started = time.monotonic()
         peers = self.peers
-        start_tag, finish_tag = self.clock.tag(share, peers.teams.get(share.team, 0.0) if peers else 0.0)
+        start_tag, finish_tag = self.clock.tag(share)
         if not self._higher_waiting(tier) and not (peers and peers.ahead(TIER_INDEX[tier], finish_tag)):
             placed = try_place()
             if placed is not None:
@@ -143,12 +143,13 @@ class AdmissionQueue:
             self._gauge()
 
     def fair_snapshot(self) -> Snapshot:
-        """Virtual time, best waiting finish tag per tier, last finish tag of each waiting team (fair_sync.py)."""
+        """Virtual time, first waiting finish tags per tier, what each waiting team has tagged here in all
+        (fair_sync.py)."""
         heads: dict[int, list[float]] = {}
         teams: dict[str, float] = {}
         for t in self.waiting:
             if not t.future.done():
-                teams[t.team] = self.clock.last_finish.get(t.team, 0.0)
+                teams[t.team] = self.clock.tagged.get(t.team, 0.0)
                 tags = heads.setdefault(t.key[0], [])
                 if len(tags) < TAGS_PER_TIER:
                     tags.append(t.key[2])

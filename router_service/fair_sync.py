@@ -7,8 +7,10 @@ head whenever a slot frees, and router 1 took most freed slots: B waited 5.7-11x
 
 - its virtual time, so that the virtual time is shared (the max over routers) and tags are comparable;
 - the finish tag of its best waiting request per tier;
-- the last finish tag of each team it has waiting, so a team spread over routers starts its next tag after
-  its latest one anywhere (one sequence per team, not one per router).
+- what each team it has waiting has tagged there in all (tokens / weight): another router adds the growth
+  since its last read to the team's last finish tag, so a team spread over routers has one sequence of tags
+  advancing with all its requests, not one per router (a max over routers would let the sequences overlap
+  during each exchange's lag: a team sending 4x on both routers got 1.6x the other's tokens).
 
 and reads the other routers' rows. A router then places its own waiting ticket only when no other router's
 fresh head is ahead of it (a higher tier, or the same tier and an earlier finish tag): it defers, and the
@@ -65,18 +67,17 @@ class Snapshot:
     """One queue's fair-queueing state as a router publishes it."""
     vt: float
     heads: dict[int, list[float]]  # tier index -> first waiting finish tags, ascending
-    teams: dict[str, float]      # team -> last finish tag, for teams with waiting tickets
+    teams: dict[str, float]      # team -> tokens / weight tagged there in all, for teams with waiting tickets
 
 
 @dataclass
 class Peers:
     """What the other routers published for one admission queue, fresh rows only, folded: the max virtual
-    time, the waiting finish tags per tier, each team's latest finish tag. `yielded`: freed slots this router
+    time and the waiting finish tags per tier. `yielded`: freed slots this router
     left to them since the last exchange; it defers only while more of their tickets are ahead than that, so
     a stale view (heads already served) idles at most as many slots as it showed tickets."""
     vt: float = 0.0
     tags: dict[int, list[float]] = field(default_factory=dict)
-    teams: dict[str, float] = field(default_factory=dict)
     yielded: int = 0
 
     def ahead(self, tier: int, tag: float) -> int:
@@ -134,6 +135,7 @@ class FairSync:
         self._seen: dict[tuple[str, str], tuple[int, float]] = {}   # (router, queue) -> (seq, monotonic changed)
         self.wake = asyncio.Event()   # set by an admission queue on enqueue: publish the new head now
         self.peer_seen_at = -math.inf  # monotonic time another router's row was last fresh
+        self._tagged: dict[tuple[str, str, str], float] = {}   # (router, queue, team) -> tagged, last read
 
     def alone(self) -> bool:
         """No other router's row has been fresh for `ttl_s`: exchange slowly."""
@@ -186,6 +188,8 @@ class FairSync:
     def apply(self, rows: list[tuple[str, str, int, Snapshot]], queues: Mapping[str, object]) -> None:
         now = time.monotonic()
         folded: dict[str, Peers] = {}
+        grown: dict[str, dict[str, float]] = {}   # queue -> team -> what other routers tagged since the last read
+        tagged: dict[tuple[str, str, str], float] = {}
         for router_id, queue, seq, snap in rows:
             key = (router_id, queue)
             seen = self._seen.get(key)
@@ -197,8 +201,13 @@ class FairSync:
             p.vt = max(p.vt, snap.vt)
             for tier, tags in snap.heads.items():
                 p.tags[tier] = sorted(p.tags.get(tier, []) + tags)
-            for team, tag in snap.teams.items():
-                p.teams[team] = max(p.teams.get(team, 0.0), tag)
+            for team, total in snap.teams.items():
+                tagged[(router_id, queue, team)] = total
+                before = self._tagged.get((router_id, queue, team))
+                if before is not None and total > before:   # first sight or a restart: no growth known
+                    g = grown.setdefault(queue, {})
+                    g[team] = g.get(team, 0.0) + total - before
+        self._tagged = tagged
         if folded:
             self.peer_seen_at = now
         for name, q in queues.items():
@@ -207,5 +216,7 @@ class FairSync:
             q.on_enqueue = self.wake.set
             if p is not None:
                 q.clock.now = max(q.clock.now, p.vt)
+            for team, cost in grown.get(name, {}).items():
+                q.clock.advance(team, cost)
             if q.waiting:
                 q.pump(freed=False)  # a peer's head may have been served: this router's turn

@@ -11,7 +11,7 @@ from bench.router import fair_share
 from registry.db import migrate
 from router_service.admission import AdmissionQueue
 from router_service.fair_queue import FairShare
-from router_service.fair_sync import MAX_DEFER_S, FairSync, Peers, SqlFairStore
+from router_service.fair_sync import MAX_DEFER_S, FairSync, Peers, Snapshot, SqlFairStore
 
 
 def test_peers_count_the_tickets_ahead_less_the_slots_already_left_to_them():
@@ -92,3 +92,21 @@ def test_a_team_on_one_router_ten_times_the_rate_of_a_team_on_the_other_shares_t
             break
     else:
         raise AssertionError(f"(TTFT ratio, Jain, tokens) per run: {seen}")
+
+
+def test_a_team_spread_over_routers_has_one_sequence_of_tags():
+    """Router y adds what router x tagged of team a since its last read (not the max of the two routers' last
+    tags, which let the sequences overlap: a team sending on both routers got ~1.6x the other's tokens)."""
+    q = AdmissionQueue("m:1")
+    sync = FairSync(None, "y", {"m:1": q})   # apply() only: no store
+
+    def row(total: float, seq: int):
+        return [("x", "m:1", seq, Snapshot(0.0, {1: [total]}, {"a": total}))]
+    assert q.clock.tag(FairShare("a", 1, 50)) == (0.0, 50.0)
+    sync.apply(row(100.0, 1), {"m:1": q})        # first sight: x's past is not known growth
+    assert q.clock.last_finish["a"] == 50.0
+    sync.apply(row(250.0, 2), {"m:1": q})        # x tagged 150 more of a's tokens since
+    assert q.clock.last_finish["a"] == 200.0
+    assert q.clock.tag(FairShare("a", 2, 50)) == (200.0, 225.0)   # weight 2: 50 tokens cost 25
+    sync.apply(row(250.0, 3), {"m:1": q})        # nothing new
+    assert q.clock.last_finish["a"] == 225.0 and q.clock.tagged["a"] == 75.0
