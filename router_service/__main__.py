@@ -118,7 +118,8 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
         sockets=[shared_socket(args.host, args.http_port, settings.routers > 1)]))
     prices = asyncio.create_task(router.quotas.prices.refresh_forever())
     # fair shares between teams across routers (issue 37): a shared virtual clock (slow while no other router)
-    fair = asyncio.create_task(FairSync(SqlFairStore(args.db_url), router.quotas.router_id, router.queues).run_forever())
+    fair = asyncio.create_task(
+        FairSync(SqlFairStore(args.db_url), router.quotas.router_id, router.queues).run_forever())
     internal_task = asyncio.create_task(internal_server.serve())
     log.info("router %d of %d serving gRPC on %s:%d, HTTP on %s:%d, internal reports on %s:%d (registry version %d)",
              args.index, settings.routers, args.host, args.grpc_port, args.host, args.http_port, args.internal_host,

@@ -12,7 +12,8 @@ Tiers and deadlines still come first (AdmissionQueue's ticket order: tier, deadl
 
 Several routers: each router keeps its own virtual clock per queue, and router_service/fair_sync.py shares
 them through the registry database (virtual time = max over routers, a team's tags advanced by what other
-routers tagged of it, and a router defers to another router's earlier waiting head), so shares hold when connections are skewed.
+routers tagged of it, and a router defers to another router's earlier waiting head), so shares hold when
+connections are skewed.
 """
 from __future__ import annotations
 

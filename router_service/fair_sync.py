@@ -70,6 +70,9 @@ class Snapshot:
     teams: dict[str, float]      # team -> tokens / weight tagged there in all, for teams with waiting tickets
 
 
+PeerRow = tuple[str, str, int, Snapshot]   # (router id, queue, seq, snapshot) of another router
+
+
 @dataclass
 class Peers:
     """What the other routers published for one admission queue, fresh rows only, folded: the max virtual
@@ -90,7 +93,7 @@ class Peers:
 
 
 class FairStore(Protocol):
-    def exchange(self, router_id: str, publish: Mapping[str, Snapshot], seq: int) -> list[tuple[str, str, int, Snapshot]]:
+    def exchange(self, router_id: str, publish: Mapping[str, Snapshot], seq: int) -> list[PeerRow]:
         """Write this router's rows (`publish`, queue -> snapshot) and return every other router's rows as
         (router_id, queue, seq, snapshot)."""
         ...
@@ -103,7 +106,7 @@ class SqlFairStore:
         self.db_url = db_url
         self._purged = 0.0
 
-    def exchange(self, router_id: str, publish: Mapping[str, Snapshot], seq: int) -> list[tuple[str, str, int, Snapshot]]:
+    def exchange(self, router_id: str, publish: Mapping[str, Snapshot], seq: int) -> list[PeerRow]:
         now = time.time()
         with session_scope(self.db_url) as s:
             insert = pg_insert if s.get_bind().dialect.name == "postgresql" else sqlite_insert
@@ -118,8 +121,9 @@ class SqlFairStore:
                 s.execute(delete(FairHead).where(FairHead.updated_at < now - PURGE_S))
             rows = s.execute(select(FairHead).where(FairHead.router_id != router_id,
                                                     FairHead.updated_at > now - PURGE_S)).scalars().all()
-            return [(r.router_id, r.queue, r.seq, Snapshot(r.vt, {int(k): [float(x) for x in v] for k, v in (r.heads or {}).items()},
-                                                           {k: float(v) for k, v in (r.teams or {}).items()}))
+            return [(r.router_id, r.queue, r.seq,
+                     Snapshot(r.vt, {int(k): [float(x) for x in v] for k, v in (r.heads or {}).items()},
+                              {k: float(v) for k, v in (r.teams or {}).items()}))
                     for r in rows]
 
 
@@ -185,7 +189,7 @@ class FairSync:
         self._published.update(publish)
         self.apply(rows, queues)
 
-    def apply(self, rows: list[tuple[str, str, int, Snapshot]], queues: Mapping[str, object]) -> None:
+    def apply(self, rows: list[PeerRow], queues: Mapping[str, object]) -> None:
         now = time.monotonic()
         folded: dict[str, Peers] = {}
         grown: dict[str, dict[str, float]] = {}   # queue -> team -> what other routers tagged since the last read

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from router_service.admission import AdmissionQueue
 from router_service.fair_queue import FairShare
 from router_service import fair_sync
-from router_service.fair_sync import FairSync, Snapshot, SqlFairStore
+from router_service.fair_sync import FairSync, PeerRow, Snapshot, SqlFairStore
 
 PREFILL_S = 0.1   # a ~2,000-token prompt's prefill on a GPU replica, added to queue wait for TTFT
 TOKENS = 50       # mean tokens per request (prompt + max_tokens share); lengths vary 25..75
@@ -69,7 +69,7 @@ class MemoryFairStore:
     def __init__(self) -> None:
         self.rows: dict[tuple[str, str], tuple[int, Snapshot]] = {}
 
-    def exchange(self, router_id: str, publish: Mapping[str, Snapshot], seq: int) -> list[tuple[str, str, int, Snapshot]]:
+    def exchange(self, router_id: str, publish: Mapping[str, Snapshot], seq: int) -> list[PeerRow]:
         for queue, snap in publish.items():
             self.rows[(router_id, queue)] = (seq, snap)
         return [(r, q, n, snap) for (r, q), (n, snap) in self.rows.items() if r != router_id]
@@ -131,7 +131,7 @@ def ttft_ratio(routers: int, seed: int = 0, a_on_first: float | None = None,
         queues = [AdmissionQueue("m:1", 4096) for _ in range(routers)]
         syncs = start_syncs(queues, sync)
         pool, waits_b = Pool(slots=16, s_per_token=0.002), []
-        jobs = [team(queues, pool, "b", 0.04, 25, waits_b, seed, b_on_first)]        # B: 25 req/s, below the pool's 160 req/s
+        jobs = [team(queues, pool, "b", 0.04, 25, waits_b, seed, b_on_first)]  # B: 25 req/s, below the pool's 160
         if with_a:
             jobs.append(team(queues, pool, "a", 0.004, 250, [], seed, a_on_first))  # A: 250 req/s, saturates it
         await asyncio.gather(*jobs)
