@@ -244,3 +244,18 @@ class RollbackRule(Base):
     armed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     fired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     fired_reason: Mapped[str] = mapped_column(Text, default="")
+
+
+class FairHead(Base):
+    """One router's fair-queueing state for one admission queue (router_service/fair_sync.py): its virtual time,
+    its first waiting finish tags per tier and what each team it has waiting has tagged there in all.
+    Rewritten every ~20 ms while requests wait; `seq` grows on each write, and a row whose seq stops growing
+    (a dead router) is ignored by the others after a TTL."""
+    __tablename__ = "fair_heads"
+    router_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    queue: Mapped[str] = mapped_column(String(256), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, default=0)
+    vt: Mapped[float] = mapped_column(Float, default=0.0)
+    heads: Mapped[dict] = mapped_column(JSON, default=dict)   # tier index (str) -> finish tag
+    teams: Mapped[dict] = mapped_column(JSON, default=dict)   # team -> tokens / weight tagged in all
+    updated_at: Mapped[float] = mapped_column(Float)          # unix seconds (old rows are deleted)

@@ -30,6 +30,7 @@ from common.report_key_exchange import TokenReviewer
 from common.settings import Settings, load_from_env, load_settings
 from router_service.budgets import PriceBook
 from router_service.core import Router
+from router_service.fair_sync import FairSync, SqlFairStore
 from router_service.grpc_frontend import start_grpc_server
 from router_service.http_frontend import create_app
 from router_service.internal_api import create_internal_app
@@ -138,6 +139,9 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
     http_task = asyncio.create_task(http_server.serve(
         sockets=[shared_socket(args.host, args.http_port, settings.routers > 1)]))
     prices = asyncio.create_task(router.quotas.prices.refresh_forever())
+    # fair shares between teams across routers (issue 37): a shared virtual clock (slow while no other router)
+    fair = asyncio.create_task(
+        FairSync(SqlFairStore(args.db_url), router.quotas.router_id, router.queues).run_forever())
     internal_task = asyncio.create_task(internal_server.serve())
     log.info("router %d of %d serving gRPC on %s:%d, HTTP on %s:%d, internal reports on %s:%d (registry version %d)",
              args.index, settings.routers, args.host, args.grpc_port, args.host, args.http_port, args.internal_host,
@@ -156,6 +160,7 @@ async def serve(args: argparse.Namespace, settings: Settings, rs: RouterSettings
     watcher.cancel()
     renewer.cancel()
     prices.cancel()
+    fair.cancel()
     await router.close()
     if producer is not None:  # what it cannot send in time stays spooled for the next start
         producer.close(timeout_s=3.0)

@@ -26,6 +26,7 @@ from typing import Generic, TypeVar
 from router_service import metrics
 from router_service.errors import RouterError
 from router_service.fair_queue import FairShare, VirtualClock
+from router_service.fair_sync import MAX_DEFER_S, TAGS_PER_TIER, Peers, Snapshot
 from router_service.request import TIER_INDEX, TIERS
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class Ticket(Generic[T]):
     future: asyncio.Future = field(compare=False, repr=False)
     request_id: str = field(compare=False, default="")
     start_tag: float = field(compare=False, default=0.0)  # fair-queueing start tag (VirtualClock)
+    team: str = field(compare=False, default="")
+    deferred_at: float | None = field(compare=False, default=None)  # first deferred to another router's head
 
 
 class AdmissionQueue:
@@ -53,6 +56,8 @@ class AdmissionQueue:
         self.service_s = 2.0  # moving average of time a slot is held, for retry-after estimates
         self.slots_hint = 1   # recent number of concurrent slots, for retry-after estimates
         self.clock = VirtualClock()
+        self.peers: Peers | None = None  # other routers' heads (fair_sync.py); None with one router
+        self.on_enqueue: Callable[[], None] | None = None  # fair_sync.py: publish a new head at once
 
     # --- public ------------------------------------------------------------------------------------
     async def admit(self, tier: str, deadline_ms: int | None, try_place: Callable[[], T | None],
@@ -60,17 +65,18 @@ class AdmissionQueue:
                     cancelled: Callable[[], bool] = lambda: False, share: FairShare = FairShare()) -> T:
         """Return a placement (slot reserved) or raise RESOURCE_EXHAUSTED / DEADLINE_EXCEEDED."""
         started = time.monotonic()
+        peers = self.peers
         start_tag, finish_tag = self.clock.tag(share)
-        if not self._higher_waiting(tier):
+        if not self._higher_waiting(tier) and not (peers and peers.ahead(TIER_INDEX[tier], finish_tag)):
             placed = try_place()
             if placed is not None:
                 self.clock.served(start_tag)
                 metrics.QUEUE_WAIT.labels(self.model, tier).observe(0.0)
                 return placed
         ticket = Ticket((TIER_INDEX[tier], deadline_ms or math.inf, finish_tag, next(_seq)), tier, try_place,
-                        asyncio.get_running_loop().create_future(), request_id, start_tag)
+                        asyncio.get_running_loop().create_future(), request_id, start_tag, share.team)
         self._enqueue(ticket)
-        self.pump()
+        self.pump(freed=False)
         try:
             while True:
                 timeout = REPUMP_S
@@ -92,7 +98,7 @@ class AdmissionQueue:
                     return placed
                 except asyncio.TimeoutError:
                     if self.waiting and self.waiting[0] is ticket:  # one waiter re-pumps for all
-                        self.pump()
+                        self.pump(freed=False)
         except BaseException:  # deadline, cancel, shed or the caller went away
             self._remove(ticket)
             if ticket.future.done() and not ticket.future.cancelled() and ticket.future.exception() is None:
@@ -101,17 +107,27 @@ class AdmissionQueue:
                 ticket.future.cancel()
             raise
 
-    def pump(self) -> None:
-        """Offer free slots to waiting tickets in order (called whenever a slot frees)."""
+    def pump(self, freed: bool = True, first: int | None = None) -> None:
+        """Offer free slots to waiting tickets in order (called whenever a slot frees; `freed` False: a retry;
+        `first`: only the first few tickets). A ticket behind another router's waiting head (fair_sync.py)
+        leaves the freed slot to that router."""
         if not self.waiting:
             return
         placed_any = False
-        for ticket in list(self.waiting):
+        peers, now = self.peers, time.monotonic()
+        for ticket in self.waiting[:first]:
             if ticket.future.done():
                 self._remove(ticket)
                 continue
             if ticket.tier == "batch" and any(t.tier != "batch" for t in self.waiting):
                 break  # batch is admitted only while interactive and standard queues are empty
+            if peers is not None and peers.ahead(ticket.key[0], ticket.key[2]):
+                if ticket.deferred_at is None:
+                    ticket.deferred_at = now
+                if now - ticket.deferred_at < MAX_DEFER_S:
+                    if freed:     # this slot goes to another router's earlier head on its next pump
+                        peers.yielded, freed = peers.yielded + 1, False
+                    continue
             try:
                 placed = ticket.try_place()
             except RouterError as exc:  # e.g. the replicas it waited for stopped starting: fail it now
@@ -125,6 +141,21 @@ class AdmissionQueue:
                 placed_any = True
         if placed_any:
             self._gauge()
+
+    def fair_snapshot(self) -> Snapshot:
+        """Virtual time, first waiting finish tags per tier, what each waiting team has tagged here in all
+        (fair_sync.py)."""
+        heads: dict[int, list[float]] = {}
+        teams: dict[str, float] = {}
+        for t in self.waiting:
+            if not t.future.done():
+                teams[t.team] = self.clock.tagged.get(t.team, 0.0)
+                tags = heads.setdefault(t.key[0], [])
+                if len(tags) < TAGS_PER_TIER:
+                    tags.append(t.key[2])
+        for tags in heads.values():
+            tags.sort()
+        return Snapshot(self.clock.now, heads, teams)
 
     def observe_service(self, seconds: float, slots: int) -> None:
         self.service_s = 0.9 * self.service_s + 0.1 * max(0.01, seconds)
@@ -162,6 +193,8 @@ class AdmissionQueue:
                                   f"lower priority than {ticket.tier!r})", retry)
         bisect.insort(self.waiting, ticket)
         self._gauge()
+        if self.on_enqueue is not None:
+            self.on_enqueue()
 
     def _remove(self, ticket: Ticket) -> None:
         i = bisect.bisect_left(self.waiting, ticket)

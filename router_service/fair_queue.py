@@ -10,10 +10,10 @@ sending 10x the others' rate only queues behind its own requests.
 
 Tiers and deadlines still come first (AdmissionQueue's ticket order: tier, deadline, finish tag, arrival).
 
-Several routers: each router keeps its own virtual clock per queue. With the load spread evenly over the
-routers (SO_REUSEPORT hashes connections; docs/router.md) each router sees every team at the same share
-of its traffic, so per-router fair shares add up to the same fleet-wide shares; the error is that of the
-spread, measured in tests/router/test_router_tier.py.
+Several routers: each router keeps its own virtual clock per queue, and router_service/fair_sync.py shares
+them through the registry database (virtual time = max over routers, a team's tags advanced by what other
+routers tagged of it, and a router defers to another router's earlier waiting head), so shares hold when
+connections are skewed.
 """
 from __future__ import annotations
 
@@ -36,15 +36,24 @@ class VirtualClock:
     def __init__(self) -> None:
         self.now = 0.0
         self.last_finish: dict[str, float] = {}
+        self.tagged: dict[str, float] = {}   # each team's tokens / weight tagged here in all (fair_sync.py)
 
     def tag(self, share: FairShare) -> tuple[float, float]:
         """(start, finish) tags of an arriving request; the team's next request starts at `finish`."""
         start = max(self.now, self.last_finish.get(share.team, 0.0))
-        finish = start + max(1.0, share.tokens) / max(MIN_WEIGHT, share.weight)
+        cost = max(1.0, share.tokens) / max(MIN_WEIGHT, share.weight)
+        finish = start + cost
         self.last_finish[share.team] = finish
+        self.tagged[share.team] = self.tagged.get(share.team, 0.0) + cost
         if len(self.last_finish) > 10_000:  # bound memory: teams whose tags the clock has passed start at `now`
             self.last_finish = {t: f for t, f in self.last_finish.items() if f > self.now}
+            self.tagged = {t: c for t, c in self.tagged.items() if t in self.last_finish}
         return start, finish
+
+    def advance(self, team: str, cost: float) -> None:
+        """Other routers tagged `cost` more of `team`'s requests (fair_sync.py): its next tag here comes after
+        them, so a team spread over routers has one sequence of tags, not one per router."""
+        self.last_finish[team] = max(self.now, self.last_finish.get(team, 0.0)) + cost
 
     def served(self, start: float) -> None:
         """A request with start tag `start` got its slot: virtual time moves on to it."""
