@@ -3,7 +3,7 @@
 Each router's admission queues do start-time fair queueing (router_service/fair_queue.py) on their own. When
 the load is skewed (all of team A's connections on router 1, team B's on router 2) every router admits its own
 head whenever a slot frees, and router 1 took most freed slots: B waited 5.7-11x its TTFT alone. So every
-`interval_s` (50 ms) each router, per admission queue with requests waiting, writes one row (`fair_heads`):
+`interval_s` (20 ms) each router, per admission queue with requests waiting, writes one row (`fair_heads`):
 
 - its virtual time, so that the virtual time is shared (the max over routers) and tags are comparable;
 - the finish tag of its best waiting request per tier;
