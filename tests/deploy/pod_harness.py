@@ -103,11 +103,13 @@ def command(c: dict, values: dict[str, str], key: str = "command") -> list[str]:
 
 
 def run_as(pod: dict, c: dict, values: dict[str, str], argv: list[str] | None = None,
-           image_env: dict[str, str] | None = None, volumes: dict[str, Path] | None = None) -> str:
+           image_env: dict[str, str] | None = None, volumes: dict[str, Path] | None = None,
+           image_dirs: dict[str, Path] | None = None) -> str:
     """A shell command line: `argv` (default the container's command) under the container's user, with only its
     env plus what the image and the kubelet add. With `volumes` (volume name -> host folder), in a mount
     namespace of its own: each mount at its path (read-only where the mount says), then a read-only root where
-    `readOnlyRootFilesystem` is set."""
+    `readOnlyRootFilesystem` is set; `image_dirs` (container path -> host folder) are what the image would hold
+    there (e.g. /opt/tritonserver)."""
     sc = {**pod.get("securityContext", {}), **c.get("securityContext", {})}
     full = {"PATH": f"{REPO_ROOT / '.venv' / 'bin'}:/usr/bin:/bin", "HOME": "/", **(image_env or {}), **values}
     line = (f"setpriv --reuid={sc['runAsUser']} --regid={sc['runAsGroup']} --clear-groups "
@@ -115,7 +117,7 @@ def run_as(pod: dict, c: dict, values: dict[str, str], argv: list[str] | None = 
             f"{shlex.join(argv if argv is not None else command(c, values))}")
     if volumes is None:
         return line
-    steps = []
+    steps = [f"mount --bind {src} {dst}" for dst, src in (image_dirs or {}).items()]
     for m in c.get("volumeMounts", []):
         steps.append(f"mount --bind {volumes[m['name']]} {m['mountPath']}")
         if m.get("readOnly"):
