@@ -183,8 +183,11 @@ def drain(plan: dict[str, Any], pod: dict[str, Any], triton: subprocess.Popen, i
     name, pod_ip = plan["pod_name"], plan["pod_ip"]
     first = threading.Event()
     inflight: dict[str, Any] = {}
-    reader = threading.Thread(target=lambda: inflight.update(stream(ips[0], plan["api_key"], plan["model"],
-                                                                    plan["long_tokens"], first.set)))
+    def read() -> None:
+        inflight.update(stream(ips[0], plan["api_key"], plan["model"], plan["long_tokens"], first.set))
+        inflight["done_at"] = time.monotonic()
+
+    reader = threading.Thread(target=read)
     reader.start()
     first.wait(30)
     pod["metadata"]["deletionTimestamp"] = now_iso()  # `kubectl delete pod`: the kubelet starts termination
@@ -197,8 +200,11 @@ def drain(plan: dict[str, Any], pod: dict[str, Any], triton: subprocess.Popen, i
     seen["inflight_running_at_new"] = reader.is_alive()
     seen["prestop_rc"] = prestop.wait(120)
     seen["prestop_s"] = round(time.monotonic() - t0, 1)
+    prestop_done = time.monotonic()
+    seen["prestop_log"] = (Path(plan["work"]) / "prestop.log").read_text()[-1500:]
     reader.join(60)
     seen["inflight"] = inflight
+    seen["stream_done_before_prestop"] = inflight.pop("done_at", prestop_done + 1) <= prestop_done
     triton.send_signal(signal.SIGTERM)  # after preStop, as the kubelet does
     seen["triton_rc"] = triton.wait(60)
     del kube_api_standin.PODS[name]  # the pod object is removed once its containers are gone

@@ -118,7 +118,7 @@ def test_pool_pod_registers_serves_through_both_routers_and_drains(work, postgre
         "work": str(work), "model": MODEL, "version": VERSION, "pod_name": POD_NAME, "pod_ip": POD_IP,
         "pod_meta": {"labels": template["metadata"]["labels"], "annotations": template["metadata"]["annotations"]},
         "db_url": socket_url, "api_key": api_key, "pod_token": pod_token, "sa_token": "sa-token-of-llm-router",
-        "viewer": harness.env(objects, router, {})["FLEET_VIEWER_TOKEN"], "long_tokens": 48,
+        "viewer": harness.env(objects, router, {})["FLEET_VIEWER_TOKEN"], "long_tokens": 24,
         "stage": harness.run_as(pod, stage_c, stage_env, image_env={"PYTHONPATH": str(REPO_ROOT)}, volumes=volumes),
         "triton": harness.run_as(pod, triton, triton_values, image_env=image_env, volumes=volumes,
                                  image_dirs={"/opt/tritonserver": home}),
@@ -169,7 +169,7 @@ def test_pool_pod_registers_serves_through_both_routers_and_drains(work, postgre
     assert seen["new_while_draining"]["status"] != 200 or seen["new_while_draining"]["chunks"] == 0
     assert seen["inflight_running_at_new"] is True
     assert seen["inflight"]["status"] == 200 and seen["inflight"]["finish"] == "length", seen["inflight"]
-    assert seen["prestop_rc"] == 0
+    assert seen["prestop_rc"] == 0 and seen["stream_done_before_prestop"] is True  # preStop waited for it
     assert seen["deregistered"] is True
     for ip in ROUTER_IPS:
         assert seen["after"][ip]["status"] != 200, seen["after"]
