@@ -89,7 +89,8 @@ def registrar(plan: dict[str, Any], stop: threading.Event) -> None:
     from autoscale.actuators import PoolSpec
     from autoscale.actuators.kubernetes import KubernetesActuator
 
-    config = client.Configuration(host="https://127.0.0.1:6443", api_key={"authorization": f"Bearer {plan['sa_token']}"})
+    config = client.Configuration(host="https://127.0.0.1:6443",
+                                  api_key={"authorization": f"Bearer {plan['sa_token']}"})
     config.ssl_ca_cert = plan["ca"]
     actuator = KubernetesActuator("llm", api_client=client.ApiClient(config), db_url=plan["db_url"])
     pool = PoolSpec(plan["model"], plan["version"])

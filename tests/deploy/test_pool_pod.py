@@ -17,7 +17,6 @@ import json
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -108,7 +107,8 @@ def test_pool_pod_registers_serves_through_both_routers_and_drains(work, postgre
     image = settings.model_copy(update={"data_dir": work / "image"})
     (work / "image").mkdir()
     home = triton_home(image)  # the image's /opt/tritonserver
-    image_env = {"PYTHONPATH": str(REPO_ROOT), "TORCH_EXTENSIONS_DIR": str(_prebuilt_kernels(work / "image")), "PATH": f"/opt/tritonserver/bin:{REPO_ROOT / '.venv' / 'bin'}:/usr/bin:/bin",
+    image_env = {"PYTHONPATH": str(REPO_ROOT), "TORCH_EXTENSIONS_DIR": str(_prebuilt_kernels(work / "image")),
+                 "PATH": f"/opt/tritonserver/bin:{REPO_ROOT / '.venv' / 'bin'}:/usr/bin:/bin",
                  "LD_LIBRARY_PATH": triton_env(image)["LD_LIBRARY_PATH"]}
     pod_token = "projected-token-of-" + POD_NAME
     volumes = _volume_dirs(work / "pod", pod, pod_token)
