@@ -25,22 +25,23 @@ from __future__ import annotations
 
 import argparse
 import logging
-import tempfile
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.endpoints import every_address as expand_routers
 from common.settings import load_settings
-from python_backends.engine.state_report import StateReporter, identity_from_env
+from python_backends.engine.state_report import RESOLVE_EVERY_S, StateReporter, drain_marker, identity_from_env
 
 log = logging.getLogger("trtllm_state")
 KV = "nv_trt_llm_kv_cache_block_metrics"
 REQ = "nv_trt_llm_request_metrics"
 PENDING = "nv_inference_pending_request_count"
+# the CPU engine (model_repository/engine, python_backends/engine/metrics.py) has no TensorRT-LLM metrics: its
+# own gauges say what it holds (without them a drain would see 0 requests and let an in-flight stream be cut)
+CPU_RUNNING, CPU_WAITING = "fleet_engine_running", "fleet_engine_waiting"
 
 
 def parse(text: str, engine_model: str = "tensorrt_llm", ensemble: str = "llm") -> dict[str, float]:
@@ -55,6 +56,9 @@ def parse(text: str, engine_model: str = "tensorrt_llm", ensemble: str = "llm") 
                 out[f"req.{s.labels.get('request_type')}"] = s.value
             elif s.name == PENDING and model == ensemble:
                 out["pending"] = out.get("pending", 0.0) + s.value
+            elif s.name in (CPU_RUNNING, CPU_WAITING):  # the replica's only engine: every model label counts
+                key = "req.active" if s.name == CPU_RUNNING else "pending"
+                out[key] = out.get(key, 0.0) + s.value
     return out
 
 
@@ -98,13 +102,10 @@ def scrape(url: str, timeout_s: float = 1.0) -> str:
         return resp.read().decode()
 
 
-RESOLVE_EVERY_S = 5.0  # routers come and go (rolling update): re-resolve the headless name this often
-# set by `drain` (the preStop hook, another process of the same container): the report loop then says
-# `draining` too, so the routers never get a non-draining report from this replica during its drain
+# `drain_marker` (python_backends/engine/state_report.py): set by `drain` (the preStop hook, another process of
+# the same container); the report loop (this module's or the CPU engine's own) then says `draining` too, so the
+# routers never get a non-draining report from this replica during its drain
 
-
-def drain_marker(replica_id: str) -> Path:
-    return Path(tempfile.gettempdir()) / f"fleet-draining-{replica_id.replace('/', '_')}"
 
 
 def run(metrics_url: str, interval_s: float, identity: dict[str, Any], stop_after: float | None = None) -> None:

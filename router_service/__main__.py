@@ -96,10 +96,17 @@ def shared_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
 def register_env_admin_tokens(settings: Settings, db_url: str) -> None:
     """FLEET_ADMIN_TOKEN / FLEET_VIEWER_TOKEN (e.g. from a Kubernetes Secret) become the named tokens `admin`
     and `viewer` (stored hashed), as `fleet seed` does for the data dir's token files."""
+    from sqlalchemy.exc import IntegrityError
+
     from registry.admin_tokens import ensure_admin_token
     from registry.db import session_scope
     for name, role, token in (("admin", "operator", settings.admin_token), ("viewer", "viewer", settings.viewer_token)):
-        if token:
+        if not token:
+            continue
+        try:
+            with session_scope(db_url) as s:
+                ensure_admin_token(s, name, role, token)
+        except IntegrityError:  # another router of the Deployment, starting at the same time, added it first
             with session_scope(db_url) as s:
                 ensure_admin_token(s, name, role, token)
 

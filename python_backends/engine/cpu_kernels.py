@@ -91,8 +91,8 @@ def built_library() -> Path:
 def load() -> ModuleType | None:
     """The kernels, or None where they cannot be built here (logged; callers keep their torch ops).
     A library built before is imported directly: no compiler, ninja or build lock at a replica's start."""
-    built = built_library()
     try:
+        built = built_library()  # may fail too: a pod's user whose home (~/.cache) is not writable
         return _import(built.stem, built) if built.exists() else build()
     except Exception as exc:     # no compiler, no ninja, a failed build: the torch ops still work
         log.warning("fused CPU kernels unavailable (%s); the engine uses torch ops", exc)

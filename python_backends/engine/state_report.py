@@ -6,10 +6,17 @@ replica's key (`FLEET_REPORT_KEY`, see common/report_channel.py), to each router
 (`FLEET_ROUTER_URLS`) with a short timeout, fire-and-forget, so a slow or dead router never
 blocks the engine. Prefix hashes go as deltas (added/removed since the last report), with a full snapshot
 on start and every ~10 s so a router that missed deltas resyncs.
+
+Every router, not one: a router URL whose host is a name (Kubernetes: the headless `llm-router-internal`) is
+re-resolved every few seconds and each of its addresses gets every report (a router that got none would route
+blind to this replica). Draining: once the pod's preStop hook (`python -m python_backends.trtllm_state drain`,
+another process) leaves its marker file, every report says `draining`, so no router goes back to routing new
+requests here while it drains.
 """
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -18,12 +25,19 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from common.endpoints import every_address
 from common.replica_report import ReplicaReport
 from common.report_channel import post_report
 from common.report_key_exchange import fetch_report_key
 from common.settings import load_from_env
 
 log = logging.getLogger(__name__)
+RESOLVE_EVERY_S = 5.0  # routers come and go (rolling update): re-resolve a router name this often
+
+
+def drain_marker(replica_id: str) -> Path:
+    """Left by the preStop drain (another process of the container, same /tmp) while the replica drains."""
+    return Path(tempfile.gettempdir()) / f"fleet-draining-{replica_id.replace('/', '_')}"
 
 
 class ReplicaSettings(BaseSettings):
@@ -78,7 +92,10 @@ def identity_from_env() -> dict[str, Any]:
 class StateReporter:
     def __init__(self, identity: dict[str, Any], full_snapshot_s: float = 10.0, timeout_s: float = 0.5):
         self.identity = {k: v for k, v in identity.items() if k not in ("routers", "admin_routers", "report_key")}
-        self.routers: list[str] = identity.get("routers", [])
+        self._configured: list[str] = list(identity.get("routers", []))
+        self.routers: list[str] = every_address(self._configured)  # one URL per router behind a name
+        self._resolved = time.monotonic()
+        self._marker = drain_marker(str(identity.get("replica_id", "")))
         self.report_key: str = identity.get("report_key", "")
         self.full_snapshot_s, self.timeout_s = full_snapshot_s, timeout_s
         self.draining = False
@@ -114,7 +131,7 @@ class StateReporter:
                       ttft_ms_p95=engine.stats.ttft_ms_p95(), tokens_per_s=engine.stats.tokens_per_s(),
                       steps=int(getattr(engine, "steps", 0)),
                       adapters_loaded=engine.lora.loaded() if engine.lora else [],
-                      full_snapshot=full, draining=self.draining)
+                      full_snapshot=full, draining=self.draining or self._marker.exists())
         if full:
             self._last_full = now
             report["prefix_hashes"] = pool.cached_hashes()
@@ -155,6 +172,8 @@ class StateReporter:
                 if self._stop:
                     return
                 report, self._latest = self._latest, None
+            if time.monotonic() - self._resolved >= RESOLVE_EVERY_S:
+                self.routers, self._resolved = every_address(self._configured), time.monotonic()
             for router in self.routers:
                 try:
                     post_report(router, report, self.report_key, self.timeout_s)

@@ -4,7 +4,9 @@ and core/v1 Pod endpoints the actuator uses, answering as the API reference docu
 API server's validation of names and label values (422 Invalid), which is what killed the autoscaler before.
 TokenReview (authentication.k8s.io/v1) answers for the tokens in `TOKENS` (token -> the ServiceAccount, pod
 and audiences the API server would have bound it to), as the API reference documents: unauthenticated for an
-unknown token or one whose audiences do not meet the review's. Deployments whose `fleet.ai/model` annotation is in FAIL_MODELS get a 500 (one pool's outage). Every request
+unknown token or one whose audiences do not meet the review's. Pods are those in `PODS` (the pool pod test puts
+its local pod there, acting as the kubelet), filtered by the `labelSelector` (equality terms) as the API server
+does. Deployments whose `fleet.ai/model` annotation is in FAIL_MODELS get a 500 (one pool's outage). Every request
 is appended with its answer's status code as one JSON line to the log file.
 
     python -m tests.deploy.kube_api_standin --port 6443 --cert c.pem --key k.pem --token T --log api.jsonl
@@ -23,6 +25,14 @@ LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 FAIL_MODELS = {"broken-model"}
 DEPLOYMENTS: dict[str, dict] = {}
 TOKENS: dict[str, dict] = {}  # token -> {"username": ..., "pod": ..., "audiences": [...]}
+PODS: dict[str, dict] = {}  # pod name -> the Pod object (metadata, spec, status)
+
+
+def selected(pod: dict, selector: str) -> bool:
+    """Whether the pod's labels meet an equality-based label selector (`a=b,c=d`)."""
+    labels = pod.get("metadata", {}).get("labels", {})
+    terms = [t.split("=", 1) for t in selector.split(",") if t]
+    return all(labels.get(k.strip()) == v.strip().lstrip("=") for k, v in terms)
 
 
 def invalid(dep: dict) -> list[str]:
@@ -100,7 +110,9 @@ class Handler(BaseHTTPRequestHandler):
         if parts == ["apis", "authentication.k8s.io", "v1", "tokenreviews"] and self.command == "POST":
             return self._send(201, dict(body, status=review(body.get("spec", {}))))
         if parts[:2] == ["api", "v1"] and parts[-1] == "pods":
-            return self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": []})
+            selector = parse_qs(url.query).get("labelSelector", [""])[0]
+            return self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {},
+                                    "items": [p for p in list(PODS.values()) if selected(p, selector)]})
         if parts[:3] != ["apis", "apps", "v1"] or "deployments" not in parts:
             return self._send(404, status(404, "NotFound", "the server could not find the requested resource"))
         rest = parts[parts.index("deployments") + 1:]

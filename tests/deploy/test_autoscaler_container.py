@@ -11,12 +11,7 @@ another pool's API calls fail (500). It leaves empty mount-point directories on 
 ServiceAccount folder under /var/run/secrets) where the image would have them."""
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
-import os
-import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,94 +19,24 @@ from pathlib import Path
 import pytest
 
 from common.settings import REPO_ROOT
+from tests.deploy import pod_harness as harness
+from tests.deploy.pod_harness import PG_SOCKET_DIR, SA_DIR
 from tests.deploy.test_manifests import render
 
 HOSTILE = ("meta-llama/Llama-3.1-70B", "v2+lora")
 BROKEN = ("broken-model", "1")
-SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 RUN_S = 15  # the manifest's 2 s interval: several ticks after start-up even on a loaded machine
-PG_SOCKET_DIR = Path("/var/run/postgresql")  # Debian's: the netns has no 127.0.0.1:5432 of the host
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("setpriv") is None
-    or not (PG_SOCKET_DIR / ".s.PGSQL.5432").exists(),
-    reason="needs root, unshare and setpriv (Linux namespaces stand in for a container runtime) and PostgreSQL's "
-           "unix socket")
-
-
-def _self_signed(folder: Path) -> tuple[Path, Path]:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kubernetes")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
-    (folder / "ca.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (folder / "tls.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                       serialization.NoEncryption()))
-    return folder / "ca.crt", folder / "tls.key"
-
-
-def _container(objects: list[dict], deployment: str) -> tuple[dict, dict]:
-    dep = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == deployment)
-    return dep["spec"]["template"]["spec"], dep["spec"]["template"]["spec"]["containers"][0]
-
-
-def _env(objects: list[dict], container: dict, secret_overrides: dict[str, str]) -> dict[str, str]:
-    import base64
-
-    maps = {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
-    secrets = {o["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in o.get("data", {}).items()}
-               for o in objects if o["kind"] == "Secret"}
-    env = {}
-    for ref in container.get("envFrom", []):
-        if "secretRef" in ref:  # the usage lake's object-store Secret: unset here, the local lake is used
-            continue
-        env.update(maps[ref["configMapRef"]["name"]])
-    for e in container.get("env", []):
-        if "value" in e:
-            env[e["name"]] = e["value"]
-        else:
-            ref = e["valueFrom"]["secretKeyRef"]
-            env[e["name"]] = secret_overrides.get(ref["key"], secrets[ref["name"]][ref["key"]])
-    return env
-
-
-def _run_as(pod: dict, container: dict, env: dict[str, str]) -> str:
-    """The container's command under its user, with only its env (+ what the kubelet adds)."""
-    sc = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
-    full = {"PATH": f"{REPO_ROOT / '.venv' / 'bin'}:/usr/bin:/bin", "HOME": "/", **env}
-    return (f"setpriv --reuid={sc['runAsUser']} --regid={sc['runAsGroup']} --clear-groups "
-            f"env -i {' '.join(shlex.quote(f'{k}={v}') for k, v in full.items())} "
-            f"{' '.join(shlex.quote(a) for a in container['command'])}")
-
-
-def _mounts(pod: dict, container: dict) -> list[str]:
-    """tmpfs for every emptyDir mount (owned by fsGroup, as the kubelet makes it)."""
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    group = pod["securityContext"].get("fsGroup", 0)
-    out = []
-    for m in container.get("volumeMounts", []):
-        assert "emptyDir" in volumes[m["name"]], f"{m['name']}: only emptyDir volumes are emulated here"
-        out.append(f"mkdir -p {m['mountPath']} 2>/dev/null || true; "
-                   f"mount -t tmpfs -o size=64m,mode=2775,gid={group} tmpfs {m['mountPath']}")
-    return out
+pytestmark = pytest.mark.skipif(not harness.can_run(), reason="needs root, unshare and setpriv (Linux namespaces "
+                                "stand in for a container runtime) and PostgreSQL's unix socket")
 
 
 @pytest.fixture
 def work_dir():
     """Outside /tmp: the containers get their own tmpfs /tmp, which would hide pytest's tmp_path."""
-    import tempfile
+    import shutil
 
-    path = Path(tempfile.mkdtemp(prefix="fleet-container-", dir="/var/tmp"))
+    path = harness.work_dir("fleet-container-")
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -132,17 +57,17 @@ def test_autoscaler_container_makes_and_survives_scale_decisions(work_dir, postg
     socket_url = f"postgresql+psycopg://postgres@/{db_name}?host={PG_SOCKET_DIR}"
     objects = render("cpu-dev")  # the overlay with a committed (dev) Secret
     overrides = {"db-url": socket_url}
-    as_pod, autoscaler = _container(objects, "llm-autoscaler")
-    router_pod, router = _container(objects, "llm-router")
+    as_pod, autoscaler = harness.container(objects, "llm-autoscaler")
+    router_pod, router = harness.container(objects, "llm-router")
     assert autoscaler["securityContext"]["readOnlyRootFilesystem"] and as_pod["securityContext"]["runAsUser"] == 10001
-    as_env = dict(_env(objects, autoscaler, overrides), KUBERNETES_SERVICE_HOST="127.0.0.1",
+    as_env = dict(harness.env(objects, autoscaler, overrides), KUBERNETES_SERVICE_HOST="127.0.0.1",
                   KUBERNETES_SERVICE_PORT="6443")
     # mount points the namespaces need on the host's (shared) file system: empty directories
     for path in {m["mountPath"] for m in autoscaler["volumeMounts"] + router["volumeMounts"]} | {SA_DIR}:
         Path(path).mkdir(parents=True, exist_ok=True)
     sa = tmp_path / "sa"
     sa.mkdir()
-    cert, key = _self_signed(sa)
+    cert, key = harness.self_signed(sa)
     (sa / "token").write_text("sa-token-of-llm-autoscaler")
     (sa / "namespace").write_text("llm")
     (tmp_path / "hosts").write_text("127.0.0.1 localhost llm-router llm-router-internal\n")
@@ -152,23 +77,19 @@ def test_autoscaler_container_makes_and_survives_scale_decisions(work_dir, postg
     script = "\n".join([
         "set -u", "ip link set lo up",
         f"mount --bind {tmp_path} {tmp_path}",  # the test's own files stay writable; / becomes read-only
-        # this machine's Python lives under /root (mode 0700); an image's is world-readable: show only it
-        f"PYHOME=$(readlink -f {REPO_ROOT}/.venv/bin/python3 | sed 's|^\\(/root/[^/]*\\)/.*|\\1|')",
-        f'case "$PYHOME" in /root/*) mkdir -p {tmp_path}/pyhome && mount --bind "$PYHOME" {tmp_path}/pyhome && '
-        f'mount -t tmpfs -o size=1m,mode=0755 tmpfs /root && mkdir -p "$PYHOME" && '
-        f'mount --bind {tmp_path}/pyhome "$PYHOME";; esac',
+        *harness.python_home_steps(tmp_path),
         "mount --bind / / && mount -o remount,bind,ro /",
         f"mount --bind {tmp_path}/hosts /etc/hosts",
         f"mount -t tmpfs -o size=1m tmpfs {SA_DIR} && cp {sa}/ca.crt {sa}/token {sa}/namespace {SA_DIR}/",
-        *_mounts(as_pod, autoscaler), *_mounts(router_pod, router),
+        *harness.emptydir_tmpfs(as_pod, autoscaler), *harness.emptydir_tmpfs(router_pod, router),
         f"cd {REPO_ROOT}",
         f"{sys.executable} -m tests.deploy.kube_api_standin --port 6443 --cert {cert} --key {key} "
         f"--token {sa}/token --log {api_log} & API=$!",
-        f"{_run_as(router_pod, router, _env(objects, router, overrides))} > {out}/router.log 2>&1 & ROUTER=$!",
+        f"{harness.run_as(router_pod, router, harness.env(objects, router, overrides))} > {out}/router.log 2>&1 & ROUTER=$!",
         "for i in $(seq 100); do "
         f"{sys.executable} -c \"import urllib.request; urllib.request.urlopen('http://llm-router:8030/health', timeout=1)\" "
         "2>/dev/null && break; sleep 0.2; done",
-        f"timeout -s TERM {RUN_S} {_run_as(as_pod, autoscaler, as_env)} > {out}/autoscaler.log 2>&1; "
+        f"timeout -s TERM {RUN_S} {harness.run_as(as_pod, autoscaler, as_env)} > {out}/autoscaler.log 2>&1; "
         f"echo $? > {out}/rc",
         f"cp -r /data/fleet/autoscale {out}/ 2>/dev/null; kill $ROUTER $API; wait",
     ])

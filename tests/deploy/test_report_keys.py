@@ -26,7 +26,7 @@ from router_service.core import Router
 from router_service.internal_api import create_internal_app
 from router_service.registry_cache import RegistryCache
 from tests.deploy import kube_api_standin
-from tests.deploy.test_autoscaler_container import _self_signed
+from tests.deploy.pod_harness import self_signed as _self_signed
 from tests.deploy.test_manifests import OVERLAYS, render
 
 SECRET = b"fleet-wide-report-secret"

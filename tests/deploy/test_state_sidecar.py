@@ -23,7 +23,9 @@ def test_a_name_with_several_addresses_becomes_one_url_per_address(monkeypatch) 
 
 def test_the_report_loop_says_draining_once_the_prestop_hook_runs(tmp_path, monkeypatch) -> None:
     """Real HTTP: a metrics endpoint answering like Triton's, and the loop's reports captured by a listener."""
-    monkeypatch.setattr(trtllm_state.tempfile, "gettempdir", lambda: str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
     reports: list[bool] = []
 
     class Handler(BaseHTTPRequestHandler):
