@@ -56,9 +56,10 @@ def test_a_router_leaves_a_freed_slot_to_the_other_routers_earlier_head_and_not_
         free[0] = 1
         qy.pump()                            # y's stream ended: the slot is left to x's earlier head
         assert free[0] == 1 and not a.done()
-        assert await asyncio.wait_for(b, 1.0) == "slot"
+        # bounds for a loaded CI machine (exchanges every 20 ms, retries every 5 ms): only "eventually" is checked
+        assert await asyncio.wait_for(b, 5.0) == "slot"
         free[0] = 1                          # x's row stops showing b (served); a then takes the next slot
-        assert await asyncio.wait_for(a, 1.0) == "slot"
+        assert await asyncio.wait_for(a, 5.0) == "slot"
 
         # x dies with a ticket waiting: y defers to it only until its row is older than the TTL
         c = asyncio.create_task(qx.admit("standard", None, lambda: None, lambda _: None, "b2",
@@ -68,8 +69,8 @@ def test_a_router_leaves_a_freed_slot_to_the_other_routers_earlier_head_and_not_
         free[0] = 1
         started = time.monotonic()
         d = await asyncio.wait_for(qy.admit("standard", None, place, lambda _: None, "a2",
-                                            share=FairShare("a", 1, 50)), 2.0)
-        assert d == "slot" and time.monotonic() - started <= max(0.5, MAX_DEFER_S) + 0.3
+                                            share=FairShare("a", 1, 50)), 5.0)
+        assert d == "slot" and time.monotonic() - started <= max(0.5, MAX_DEFER_S) + 1.5  # not held for ever
         c.cancel()
         ty.cancel()
         await asyncio.gather(tx, ty, c, return_exceptions=True)
