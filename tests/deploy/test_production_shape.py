@@ -15,6 +15,7 @@ import pytest
 from autoscale.actuators import PoolSpec
 from autoscale.actuators.k8s_names import deployment_name, pool_label
 from autoscale.actuators.kubernetes import POOL_LABEL, deployment_manifest
+from router_service.__main__ import STOP_BOUND_S
 from router_service.settings import RouterSettings
 from tests.deploy.pod_security import violations
 from tests.deploy.test_manifests import OVERLAYS, render
@@ -206,7 +207,8 @@ def test_lifecycle_numbers_agree(shape) -> None:
     stop_grace_s = RouterSettings(**{k.removeprefix("FLEET_ROUTER_").lower(): v for k, v in router_env.items()
                                      if k.startswith("FLEET_ROUTER_") and k.removeprefix("FLEET_ROUTER_").lower()
                                      in RouterSettings.model_fields}).stream_timeouts().stop_grace_s()
-    assert router["terminationGracePeriodSeconds"] >= pre_stop_s + stop_grace_s + 10, "streams cut by SIGKILL"
+    # the router exits by grace + STOP_BOUND_S whatever runs (its watchdog): the pod must not SIGKILL it sooner
+    assert router["terminationGracePeriodSeconds"] >= pre_stop_s + stop_grace_s + STOP_BOUND_S, "streams cut by SIGKILL"
     router_pdb = next(p for p in _kind(objects, "PodDisruptionBudget") if p["metadata"]["name"] == "llm-router")
     assert router_pdb["spec"].get("maxUnavailable", 0) >= 1  # minAvailable 1 of 1 router would block drains
     for name, dep in deps.items():
