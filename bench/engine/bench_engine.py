@@ -29,6 +29,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import torch
@@ -281,6 +282,13 @@ def bench_llama(settings, workloads: dict, args) -> dict:
 
 def write_doc(report: dict, command: str) -> None:
     replace_subsection("CPU", cpu_section(report, command))
+
+
+def burst_engine_args(output_tokens: int, seed: int = 0) -> SimpleNamespace:
+    """The engine settings and burst shape of the `fleet up` burst benchmarks (bench.engine.first_burst,
+    bench.observability.tracing_ab): this script's defaults, `output_tokens` per stream."""
+    return SimpleNamespace(kv_blocks=4096, step_tokens=256, threads=2, cpu_matmul="auto", cpu_kernels="auto",
+                           stream_interval=0, burst_output=output_tokens, seed=seed)
 
 
 def build_workload(kind: str, n: int, args) -> list[Request]:

@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from types import SimpleNamespace
 
-from bench.engine.bench_engine import (PLATFORM_MODEL, RESULTS, _load_avg, build_workload, platform_up,
-                                       wait_quiet)
+from bench.engine.bench_engine import (PLATFORM_MODEL, RESULTS, _load_avg, build_workload, burst_engine_args,
+                                       platform_up, wait_quiet)
 from bench.engine.peers import run_triton, summarize
 from common.settings import REPO_ROOT, load_settings
 
@@ -30,11 +29,10 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--output", type=int, default=128, help="output tokens per stream")
     cli = ap.parse_args()
-    args = SimpleNamespace(kv_blocks=4096, step_tokens=256, threads=2, cpu_matmul="auto", cpu_kernels="auto",
-                           stream_interval=0, burst_output=cli.output, seed=0)
+    args = burst_engine_args(cli.output)
     settings = load_settings()
     # the second burst's prompts differ from the first's: the same prompts would hit the prefix cache
-    bursts = [build_workload("burst", cli.streams, SimpleNamespace(**{**vars(args), "seed": seed})) for seed in (0, 1)]
+    bursts = [build_workload("burst", cli.streams, burst_engine_args(cli.output, seed)) for seed in (0, 1)]
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for round_ in range(cli.repeats):
         for mode in (list(MODES) if round_ % 2 == 0 else list(MODES)[::-1]):

@@ -13,10 +13,9 @@ import argparse
 import json
 import statistics
 import time
-from types import SimpleNamespace
 
-from bench.engine.bench_engine import (PLATFORM_MODEL, RESULTS, _load_avg, build_workload, platform_up,
-                                       wait_quiet)
+from bench.engine.bench_engine import (PLATFORM_MODEL, RESULTS, _load_avg, build_workload, burst_engine_args,
+                                       platform_up, wait_quiet)
 from bench.engine.peers import run_triton, summarize
 from common.settings import REPO_ROOT, load_settings
 from tests.observability.otlp_receiver import OtlpReceiver
@@ -28,8 +27,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--output", type=int, default=128, help="output tokens per stream")
     cli = ap.parse_args()
-    args = SimpleNamespace(kv_blocks=4096, step_tokens=256, threads=2, cpu_matmul="auto", cpu_kernels="auto",
-                           stream_interval=0, burst_output=cli.output, seed=0)
+    args = burst_engine_args(cli.output)
     settings = load_settings()
     receiver = OtlpReceiver().start()
     modes = {"off": {}, "on": {"FLEET_OTLP_ENDPOINT": receiver.endpoint, "FLEET_TRACE_SAMPLE_RATIO": "1",
