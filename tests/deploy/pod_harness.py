@@ -16,6 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from common.settings import REPO_ROOT
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -29,6 +31,10 @@ def can_run() -> bool:
 
     return (os.geteuid() == 0 and shutil.which("unshare") is not None and shutil.which("setpriv") is not None
             and (PG_SOCKET_DIR / ".s.PGSQL.5432").exists())
+
+
+needs_namespaces = pytest.mark.skipif(not can_run(), reason="needs root, unshare and setpriv (Linux namespaces "
+                                      "stand in for a container runtime) and PostgreSQL's unix socket")
 
 
 def work_dir(prefix: str) -> Path:

@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from common.settings import REPO_ROOT
 from tests.deploy import pod_harness as harness
@@ -27,22 +26,11 @@ HOSTILE = ("meta-llama/Llama-3.1-70B", "v2+lora")
 BROKEN = ("broken-model", "1")
 RUN_S = 15  # the manifest's 2 s interval: several ticks after start-up even on a loaded machine
 
-pytestmark = pytest.mark.skipif(not harness.can_run(), reason="needs root, unshare and setpriv (Linux namespaces "
-                                "stand in for a container runtime) and PostgreSQL's unix socket")
+pytestmark = harness.needs_namespaces
 
 
-@pytest.fixture
-def work_dir():
-    """Outside /tmp: the containers get their own tmpfs /tmp, which would hide pytest's tmp_path."""
-    import shutil
-
-    path = harness.work_dir("fleet-container-")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def test_autoscaler_container_makes_and_survives_scale_decisions(work_dir, postgres_url) -> None:
-    tmp_path = work_dir
+def test_autoscaler_container_makes_and_survives_scale_decisions(pod_scratch, postgres_url) -> None:
+    tmp_path = pod_scratch
     from registry import queries
     from registry.db import migrate, session_scope
     from registry.warm_buffers import set_warm_buffer

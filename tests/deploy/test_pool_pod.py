@@ -19,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from common.settings import REPO_ROOT
 from tests.deploy import pod_harness as harness
@@ -33,15 +32,7 @@ ROUTER_IPS = ("127.0.0.2", "127.0.0.3")
 # what the kubelet adds to every container: the API server's Service (the routers' TokenReview goes there)
 KUBELET_ENV = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "6443"}
 
-pytestmark = pytest.mark.skipif(not harness.can_run(), reason="needs root, unshare and setpriv (Linux namespaces "
-                                "stand in for a container runtime) and PostgreSQL's unix socket")
-
-
-@pytest.fixture
-def work():
-    path = harness.work_dir("fleet-pool-pod-")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+pytestmark = harness.needs_namespaces
 
 
 def _volume_dirs(root: Path, pod: dict, token: str | None = None) -> dict[str, Path]:
@@ -88,7 +79,9 @@ def _seed(postgres_url: str, store: str, api_key: str) -> None:
         queries.create_caller(s, "pool-pod-test", "team-a", api_key=api_key)
 
 
-def test_pool_pod_registers_serves_through_both_routers_and_drains(work, postgres_url, settings, smollm2_dir):
+def test_pool_pod_registers_serves_through_both_routers_and_drains(pod_scratch, postgres_url, settings,
+                                                                   smollm2_dir):
+    work = pod_scratch
     from build_engines import stage
     from common.vendor import triton_env, triton_home
 
