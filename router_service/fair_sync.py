@@ -194,11 +194,13 @@ class FairSync:
         folded: dict[str, Peers] = {}
         grown: dict[str, dict[str, float]] = {}   # queue -> team -> what other routers tagged since the last read
         tagged: dict[tuple[str, str, str], float] = {}
+        seen_now: dict[tuple[str, str], tuple[int, float]] = {}   # rows still in the table: a purged one is forgotten
         for router_id, queue, seq, snap in rows:
             key = (router_id, queue)
             seen = self._seen.get(key)
             if seen is None or seen[0] != seq:
-                self._seen[key] = seen = (seq, now)
+                seen = (seq, now)
+            seen_now[key] = seen
             if now - seen[1] > self.ttl_s:
                 continue            # not rewritten lately: a dead router, or one with nothing waiting
             p = folded.setdefault(queue, Peers())
@@ -211,7 +213,7 @@ class FairSync:
                 if before is not None and total > before:   # first sight or a restart: no growth known
                     g = grown.setdefault(queue, {})
                     g[team] = g.get(team, 0.0) + total - before
-        self._tagged = tagged
+        self._tagged, self._seen = tagged, seen_now
         if folded:
             self.peer_seen_at = now
         for name, q in queues.items():
