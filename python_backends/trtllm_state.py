@@ -149,12 +149,11 @@ def drain(metrics_url: str, identity: dict[str, Any], admin_token: str | None, t
     else:
         admin_token = None
         time.sleep(min(2.0, timeout_s))  # let the sidecar's draining report reach the routers first
-    try:
+    try:  # the marker stays: the pod is terminating, no router may route here again (the replica's start clears it)
         return _drain_wait(metrics_url, identity, admin_token, timeout_s, poll_s, reporter)
     finally:
         reporter.stop()
-        if announce:
-            marker.unlink(missing_ok=True)
+        reporter.join(2.0)  # its last `draining` report is out before the kubelet sends SIGTERM
 
 
 def _drain_wait(metrics_url: str, identity: dict[str, Any], admin_token: str | None, timeout_s: float,

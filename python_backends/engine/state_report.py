@@ -11,7 +11,8 @@ Every router, not one: a router URL whose host is a name (Kubernetes: the headle
 re-resolved every few seconds and each of its addresses gets every report (a router that got none would route
 blind to this replica). Draining: once the pod's preStop hook (`python -m python_backends.trtllm_state drain`,
 another process) leaves its marker file, every report says `draining`, so no router goes back to routing new
-requests here while it drains.
+requests here while it drains, nor after (the marker stays until the pod is gone; a replica that starts clears a
+stale one: `clear_stale_drain`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ RESOLVE_EVERY_S = 5.0  # routers come and go (rolling update): re-resolve a rout
 def drain_marker(replica_id: str) -> Path:
     """Left by the preStop drain (another process of the container, same /tmp) while the replica drains."""
     return Path(tempfile.gettempdir()) / f"fleet-draining-{replica_id.replace('/', '_')}"
+
+
+def clear_stale_drain(replica_id: str) -> None:
+    """At a replica's start: a marker left by an earlier drain of the same id (a restarted container) is old news."""
+    drain_marker(replica_id).unlink(missing_ok=True)
 
 
 class ReplicaSettings(BaseSettings):
@@ -113,7 +119,12 @@ class StateReporter:
             self._thread.start()
         return self
 
+    def join(self, timeout_s: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
     def stop(self) -> None:
+        """The sender sends what is pending (a drain's last `draining` report must not be lost), then ends."""
         with self._cv:
             self._stop = True
             self._cv.notify()
@@ -169,8 +180,8 @@ class StateReporter:
             with self._cv:
                 while self._latest is None and not self._stop:
                     self._cv.wait(1.0)
-                if self._stop:
-                    return
+                if self._latest is None:
+                    return  # stopped, nothing pending
                 report, self._latest = self._latest, None
             if time.monotonic() - self._resolved >= RESOLVE_EVERY_S:
                 self.routers, self._resolved = every_address(self._configured), time.monotonic()

@@ -125,7 +125,7 @@ def run_as(pod: dict, c: dict, values: dict[str, str], argv: list[str] | None = 
         return line
     steps = [f"mount --bind {src} {dst}" for dst, src in (image_dirs or {}).items()]
     for m in c.get("volumeMounts", []):
-        steps.append(f"mount --bind {volumes[m['name']]} {m['mountPath']}")
+        steps.append(_over(m["mountPath"], f"mount --bind {volumes[m['name']]} {m['mountPath']}"))
         if m.get("readOnly"):
             steps.append(f"mount -o remount,bind,ro {m['mountPath']}")
     if sc.get("readOnlyRootFilesystem"):
@@ -139,6 +139,16 @@ def mount_points(*containers: dict) -> set[str]:
     return {m["mountPath"] for c in containers for m in c.get("volumeMounts", [])}
 
 
+def _over(mount_path: str, mount: str) -> str:
+    """`mount` (a shell step putting something at `mount_path`); where that hides this checkout (a clone under
+    /tmp, where the pod mounts its /tmp), the checkout is bound back at its path - the image would hold it
+    elsewhere. File descriptor 9 keeps the hidden folder reachable (`mount -c`: not canonicalised to the new one)."""
+    if not REPO_ROOT.is_relative_to(mount_path) or Path(mount_path) == REPO_ROOT:
+        return mount
+    return (f"exec 9<{REPO_ROOT} && {mount} && mkdir -p {REPO_ROOT} && "
+            f"mount -c --bind /proc/self/fd/9 {REPO_ROOT} && exec 9<&-")
+
+
 def emptydir_tmpfs(pod: dict, c: dict) -> list[str]:
     """Shell steps: a tmpfs at every emptyDir mount of `c` (owned by fsGroup, as the kubelet makes it)."""
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -146,8 +156,8 @@ def emptydir_tmpfs(pod: dict, c: dict) -> list[str]:
     out = []
     for m in c.get("volumeMounts", []):
         assert "emptyDir" in volumes[m["name"]], f"{m['name']}: only emptyDir volumes are emulated here"
-        out.append(f"mkdir -p {m['mountPath']} 2>/dev/null || true; "
-                   f"mount -t tmpfs -o size=64m,mode=2775,gid={group} tmpfs {m['mountPath']}")
+        out.append(f"mkdir -p {m['mountPath']} 2>/dev/null || true; " + _over(
+            m["mountPath"], f"mount -t tmpfs -o size=64m,mode=2775,gid={group} tmpfs {m['mountPath']}"))
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import re
 import signal
 import subprocess
@@ -57,7 +58,7 @@ def stream(router: str, api_key: str, model: str, max_tokens: int, on_first: Cal
     """One streamed completion through a router: its status, chunks and finish reason."""
     body = {"model": model, "prompt": "The pool pod says", "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True}
-    out: dict[str, Any] = {"status": 0, "chunks": 0, "finish": None, "error": ""}
+    out: dict[str, Any] = {"status": 0, "chunks": 0, "finish": None, "error": "", "decode_s": 0.0}
     with httpx.stream("POST", f"http://{router}:8030/v1/completions", json=body, timeout=60,
                       headers={"authorization": f"Bearer {api_key}"}) as resp:
         out["status"] = resp.status_code
@@ -70,8 +71,11 @@ def stream(router: str, api_key: str, model: str, max_tokens: int, on_first: Cal
             choice = json.loads(line[6:])["choices"][0]
             out["chunks"] += 1
             out["finish"] = choice.get("finish_reason") or out["finish"]
-            if out["chunks"] == 1 and on_first is not None:
-                on_first()
+            if out["chunks"] == 1:
+                first_at = time.monotonic()
+                if on_first is not None:
+                    on_first()
+            out["decode_s"] = time.monotonic() - first_at  # first chunk to last: the pod's decode speed
     return out
 
 
@@ -184,8 +188,14 @@ def drain(plan: dict[str, Any], pod: dict[str, Any], triton: subprocess.Popen, i
     name, pod_ip = plan["pod_name"], plan["pod_ip"]
     first = threading.Event()
     inflight: dict[str, Any] = {}
+    # the in-flight stream must outlast preStop's start, both routers seeing `draining` and a refused request
+    # (~3 s): about 5 s at this machine's decode speed, measured on the streams served before
+    s_per_token = max(got["decode_s"] / max(1, got["chunks"] - 1) for got in seen["served"].values())
+    long_tokens = min(1024, max(plan["long_tokens"], math.ceil(4.5 / max(s_per_token, 1e-3))))
+    seen["long_tokens"] = long_tokens
+
     def read() -> None:
-        inflight.update(stream(ips[0], plan["api_key"], plan["model"], plan["long_tokens"], first.set))
+        inflight.update(stream(ips[0], plan["api_key"], plan["model"], long_tokens, first.set))
         inflight["done_at"] = time.monotonic()
 
     reader = threading.Thread(target=read)

@@ -16,7 +16,7 @@ from python_backends.engine.engine import LLMEngine, StepOutput
 from python_backends.engine.loop import EngineLoop
 from python_backends.engine.metrics import TritonMetrics
 from python_backends.engine.sequence import SamplingParams
-from python_backends.engine.state_report import StateReporter, identity_from_env
+from python_backends.engine.state_report import StateReporter, clear_stale_drain, identity_from_env
 from python_backends.engine.tracing import record_request
 from python_backends.engine.warmup import warm_up
 from common import tracing
@@ -128,6 +128,7 @@ class TritonPythonModel:
         labels = {"replica_id": identity["replica_id"], "model": identity["model"] or "engine",
                   "version": str(identity["version"] or "")}
         self.metrics = TritonMetrics(pb_utils, labels)
+        clear_stale_drain(self.replica_id)
         self.reporter = StateReporter(identity, self.config.state_full_snapshot_s).start()
 
         def on_tick(engine: LLMEngine) -> None:
