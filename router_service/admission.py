@@ -67,7 +67,8 @@ class AdmissionQueue:
         started = time.monotonic()
         peers = self.peers
         start_tag, finish_tag = self.clock.tag(share)
-        if not self._higher_waiting(tier) and not (peers and peers.ahead(TIER_INDEX[tier], finish_tag)):
+        if not self._higher_waiting(tier) and not (
+                peers and peers.holding(started) and peers.ahead(TIER_INDEX[tier], finish_tag, holding=True)):
             placed = try_place()
             if placed is not None:
                 self.clock.served(start_tag)
@@ -113,20 +114,26 @@ class AdmissionQueue:
         leaves the freed slot to that router."""
         if not self.waiting:
             return
-        placed_any = False
+        placed_any, yielded = False, 0
         peers, now = self.peers, time.monotonic()
+        # Other routers' heads decide who gets a slot freed here; a retry (no slot freed here) takes what is free
+        # unless this router left a slot to them lately (their view of it may be older than ours: a retry that
+        # deferred to a head they have served since would idle the slot they left to us)
+        holding = not freed and peers is not None and peers.holding(now)
+        check = peers is not None and (freed or holding)
         for ticket in self.waiting[:first]:
             if ticket.future.done():
                 self._remove(ticket)
                 continue
             if ticket.tier == "batch" and any(t.tier != "batch" for t in self.waiting):
                 break  # batch is admitted only while interactive and standard queues are empty
-            if peers is not None and peers.ahead(ticket.key[0], ticket.key[2]):
+            if check and peers.ahead(ticket.key[0], ticket.key[2], holding):
                 if ticket.deferred_at is None:
                     ticket.deferred_at = now
                 if now - ticket.deferred_at < MAX_DEFER_S:
-                    if freed:     # this slot goes to another router's earlier head on its next pump
-                        peers.yielded, freed = peers.yielded + 1, False
+                    # this slot goes to another router's earlier head on its next pump; counted once the pump
+                    # is over, or the next ticket here (as far behind) would see one head fewer and take it
+                    yielded, freed = yielded + int(freed), False
                     continue
             try:
                 placed = ticket.try_place()
@@ -139,6 +146,8 @@ class AdmissionQueue:
                 self.clock.served(ticket.start_tag)
                 ticket.future.set_result(placed)
                 placed_any = True
+        if peers is not None and yielded:
+            peers.yielded, peers.yielded_at = peers.yielded + yielded, now
         if placed_any:
             self._gauge()
 

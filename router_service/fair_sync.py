@@ -56,9 +56,11 @@ log = logging.getLogger(__name__)
 INTERVAL_S = 0.02     # exchange period (an enqueue wakes it sooner)
 ALONE_S = 0.25        # exchange period while no other router's row is fresh (one router: 4 exchanges/s)
 MIN_GAP_S = 0.005     # at most one exchange per 5 ms however often enqueues wake it
+PUMP_S = 0.002        # between exchanges, a queue whose head goes first retries this often (a slot left to it)
 TAGS_PER_TIER = 32    # a router publishes its first 32 finish tags per tier
 TTL_S = 1.0           # a peer row whose seq has not changed for this long no longer counts (dead router)
 MAX_DEFER_S = 0.5     # a ticket defers to other routers' heads at most this long in all
+HOLD_S = 0.02         # a slot left to another router is not retaken by a retry here for this long
 PURGE_S = 300.0       # rows not written for this long (wall clock) are deleted by any router
 
 
@@ -76,20 +78,26 @@ PeerRow = tuple[str, str, int, Snapshot]   # (router id, queue, seq, snapshot) o
 @dataclass
 class Peers:
     """What the other routers published for one admission queue, fresh rows only, folded: the max virtual
-    time and the waiting finish tags per tier. `yielded`: freed slots this router
-    left to them since the last exchange; it defers only while more of their tickets are ahead than that, so
-    a stale view (heads already served) idles at most as many slots as it showed tickets."""
+    time and the waiting finish tags per tier. `yielded`: freed slots this router left to them since the last
+    exchange; it defers only while more of their tickets are ahead than that, so a stale view (heads already
+    served) idles at most as many slots as it showed tickets. For `HOLD_S` after a yield, only a freed slot
+    counts that way: a retry here must not take the slot just left to them before their next pump does."""
     vt: float = 0.0
     tags: dict[int, list[float]] = field(default_factory=dict)
     yielded: int = 0
+    yielded_at: float = -math.inf   # monotonic time of the last yield
 
-    def ahead(self, tier: int, tag: float) -> int:
+    def ahead(self, tier: int, tag: float, holding: bool = False) -> int:
         """How many of the other routers' waiting tickets go before (tier index `tier`, finish tag `tag`),
-        beyond the slots already yielded to them (0: this ticket may take a slot)."""
+        beyond the slots already yielded to them unless `holding` (0: this ticket may take a slot)."""
         n = 0
         for t, tags in self.tags.items():
             n += len(tags) if t < tier else bisect.bisect_left(tags, tag) if t == tier else 0
-        return max(0, n - self.yielded)
+        return n if holding else max(0, n - self.yielded)
+
+    def holding(self, now: float) -> bool:
+        """A slot left to the others lately may still be free, waiting for their pump."""
+        return now - self.yielded_at < HOLD_S
 
 
 class FairStore(Protocol):
@@ -166,10 +174,11 @@ class FairSync:
             await asyncio.sleep(ALONE_S)
             self.wake.clear()
             return
-        until = time.monotonic() + self.interval_s
+        started = time.monotonic()
         while True:
-            await asyncio.sleep(MIN_GAP_S)
-            if self.wake.is_set() or time.monotonic() >= until:
+            await asyncio.sleep(PUMP_S)
+            waited = time.monotonic() - started
+            if waited >= self.interval_s or (self.wake.is_set() and waited >= MIN_GAP_S):
                 break
             for q in list(self.queues.values()):
                 if q.peers is not None and q.waiting:

@@ -140,26 +140,33 @@ def ttft_ratio(routers: int, seed: int = 0, a_on_first: float | None = None,
     return p95(asyncio.run(run(True))), p95(asyncio.run(run(False)))
 
 
-def jain_backlogged(routers: int, seed: int = 0, a_on_first: float | None = None,
-                    sync: str | None = None, b_on_first: float | None = None) -> tuple[float, list[int]]:
+def jain_backlogged(routers: int, seed: int = 0, a_on_first: float | None = None, sync: str | None = None,
+                    b_on_first: float | None = None) -> tuple[float, list[int], float]:
     """Jain index of two backlogged teams' token service rates while both keep sending (both send faster than
     the pool serves them, A at 4x B's rate): from the start until the first team's last request is sent.
 
     Not "until B's last request is served": after the teams stop sending, each router drains its own queue
     at the rate of the slots it happens to hold (a router refills the slots its own streams free before
     another router's reports show them), so a team's last requests finish on the slower router; that drain
-    is an end effect of a finite burst, not the share of a sustained backlog."""
-    async def run() -> tuple[Pool, float]:
-        queues, pool = [AdmissionQueue("m:1", 4096) for _ in range(routers)], Pool(slots=4, s_per_token=0.0005)
+    is an end effect of a finite burst, not the share of a sustained backlog.
+
+    The third value: the share of the pool's slot time that served tokens in that window (a slot one router
+    leaves to another's head stays free until that router's next pump)."""
+    slots, s_per_token = 4, 0.0005
+
+    async def run() -> tuple[Pool, float, float]:
+        queues, pool = [AdmissionQueue("m:1", 4096) for _ in range(routers)], Pool(slots, s_per_token)
         syncs = start_syncs(queues, sync)
+        start = time.monotonic()
         sent = await asyncio.gather(team(queues, pool, "a", 0.00125, 240, [], seed, a_on_first),
                                     team(queues, pool, "b", 0.005, 60, [], seed, b_on_first))
         await stop(syncs)
-        return pool, min(sent)
-    pool, end = asyncio.run(run())
+        return pool, start, min(sent)
+    pool, start, end = asyncio.run(run())
     window = [(name, n) for t, name, n in pool.served if t <= end]
     rates = [sum(n for name, n in window if name == x) for x in ("a", "b")]
-    return sum(rates) ** 2 / (2 * sum(r * r for r in rates)), rates
+    busy = sum(rates) * s_per_token / (slots * (end - start))
+    return sum(rates) ** 2 / (2 * sum(r * r for r in rates)), rates, busy
 
 
 def main() -> None:
@@ -196,10 +203,10 @@ def main() -> None:
         for routers in args.routers:
             for run in range(args.runs):
                 shared, alone = ttft_ratio(routers, run, args.a_on_first, sync, args.b_on_first)
-                jain, rates = jain_backlogged(routers, run, args.a_on_first, sync, args.b_on_first)
+                jain, rates, busy = jain_backlogged(routers, run, args.a_on_first, sync, args.b_on_first)
                 row = {"sync": sync.split("@")[-1], "routers": routers, "run": run, "b_ttft_p95_s": round(shared, 4),
                        "b_alone_ttft_p95_s": round(alone, 4), "ttft_ratio": round(shared / alone, 3),
-                       "jain": round(jain, 4), "tokens": rates}
+                       "jain": round(jain, 4), "tokens": rates, "pool_busy": round(busy, 3)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     summary = {}
@@ -208,7 +215,8 @@ def main() -> None:
             mine = [x for x in rows if x["routers"] == r and x["sync"] == sync]
             summary[f"{sync} x{r}"] = {"ttft_ratio_max": max(x["ttft_ratio"] for x in mine),
                                        "ttft_ratio_median": statistics.median(x["ttft_ratio"] for x in mine),
-                                       "jain_min": min(x["jain"] for x in mine)}
+                                       "jain_min": min(x["jain"] for x in mine),
+                                       "pool_busy_median": statistics.median(x["pool_busy"] for x in mine)}
     print(json.dumps({"summary": summary, "targets": {"ttft_ratio_max": 1.5, "jain_min": 0.9}}))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"a_on_first": args.a_on_first, "b_on_first": args.b_on_first, "rows": rows,
