@@ -12,9 +12,12 @@ head whenever a slot frees, and router 1 took most freed slots: B waited 5.7-11x
   advancing with all its requests, not one per router (a max over routers would let the sequences overlap
   during each exchange's lag: a team sending 4x on both routers got 1.6x the other's tokens).
 
-and reads the other routers' rows. A router then places its own waiting ticket only when no other router's
-fresh head is ahead of it (a higher tier, or the same tier and an earlier finish tag): it defers, and the
-other router takes the slot on its next pump (this module pumps every queue with waiters after each exchange).
+and reads the other routers' rows. A slot freed on a router goes to its own waiting ticket only when no other
+router's fresh head is ahead of it (a higher tier, or the same tier and an earlier finish tag): otherwise it is
+left, and the other router takes it on its next retry (every `PUMP_S` while it has requests waiting). For
+`HOLD_S` after leaving one, a router's retries defer to the others' heads too; any other retry takes what is
+free (the others' view may be older than this router's: deferring to a head already served idled the slot
+they had left; AdmissionQueue.pump).
 
 What keeps a slot from idling:
 - a row counts only while its `seq` keeps changing (seen by this router's monotonic clock, so clock skew
