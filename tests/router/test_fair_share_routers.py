@@ -23,18 +23,24 @@ def test_peers_count_the_tickets_ahead_less_the_slots_already_left_to_them():
     assert p.ahead(1, 25.0) == 0 and p.ahead(1, 35.0) == 1
 
 
+def _slots():
+    """A pool of slots (`free[0]` of them free) and its placer: "slot" or None when none is free."""
+    free = [0]
+
+    def place():
+        if free[0] <= 0:
+            return None
+        free[0] -= 1
+        return "slot"
+    return free, place
+
+
 def test_a_slot_left_to_another_router_is_not_retaken_here_by_the_next_ticket_or_a_retry():
     """Two of this router's tickets behind one head of the other router: the freed slot stays free for it (the
     second ticket, as far behind, used to see one head fewer once the first had yielded, and took it), and so
     it does against retries here for HOLD_S; after that the slot counts as theirs taken and a retry may use it."""
     async def run():
-        free = [0]
-
-        def place():
-            if free[0] <= 0:
-                return None
-            free[0] -= 1
-            return "slot"
+        free, place = _slots()
         q = AdmissionQueue("m:1")
         q.peers = Peers(vt=0.0, tags={1: [50.0]})
         q.clock.last_finish["a"] = 1000.0   # a's tickets (1050, 1100) go after the other router's head (50)
@@ -64,13 +70,7 @@ def test_a_router_leaves_a_freed_slot_to_the_other_routers_earlier_head_and_not_
     store = SqlFairStore(db_url)
 
     async def run():
-        free = [0]
-
-        def place():
-            if free[0] <= 0:
-                return None
-            free[0] -= 1
-            return "slot"
+        free, place = _slots()
         qx, qy = AdmissionQueue("m:1"), AdmissionQueue("m:1")
         sx = FairSync(store, f"x-{time.monotonic_ns()}", {"m:1": qx}, ttl_s=0.5)
         sy = FairSync(store, f"y-{time.monotonic_ns()}", {"m:1": qy}, ttl_s=0.5)
