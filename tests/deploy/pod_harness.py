@@ -141,7 +141,7 @@ def mount_points(*containers: dict) -> set[str]:
 
 def _over(mount_path: str, mount: str) -> str:
     """`mount` (a shell step putting something at `mount_path`); where that hides this checkout (a clone under
-    /tmp, where the pod mounts its /tmp), the checkout is bound back at its path - the image would hold it
+    /tmp, where the pod mounts its /tmp, or under /root, hidden for the Python home), the checkout is bound back at its path - the image would hold it
     elsewhere. File descriptor 9 keeps the hidden folder reachable (`mount -c`: not canonicalised to the new one)."""
     if not REPO_ROOT.is_relative_to(mount_path) or Path(mount_path) == REPO_ROOT:
         return mount
@@ -167,6 +167,6 @@ def python_home_steps(tmp_path: Path) -> list[str]:
     return [
         f"PYHOME=$(readlink -f {REPO_ROOT}/.venv/bin/python3 | sed 's|^\\(/root/[^/]*\\)/.*|\\1|')",
         f'case "$PYHOME" in /root/*) mkdir -p {tmp_path}/pyhome && mount --bind "$PYHOME" {tmp_path}/pyhome && '
-        f'mount -t tmpfs -o size=1m,mode=0755 tmpfs /root && mkdir -p "$PYHOME" && '
+        f'{_over("/root", "mount -t tmpfs -o size=1m,mode=0755 tmpfs /root")} && mkdir -p "$PYHOME" && '
         f'mount --bind {tmp_path}/pyhome "$PYHOME";; esac',
     ]
