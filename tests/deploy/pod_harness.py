@@ -141,8 +141,8 @@ def mount_points(*containers: dict) -> set[str]:
 
 def _over(mount_path: str, mount: str) -> str:
     """`mount` (a shell step putting something at `mount_path`); where that hides this checkout (a clone under
-    /tmp, where the pod mounts its /tmp, or under /root, hidden for the Python home), the checkout is bound back at its path - the image would hold it
-    elsewhere. File descriptor 9 keeps the hidden folder reachable (`mount -c`: not canonicalised to the new one)."""
+    /tmp, where the pod mounts its /tmp, or under /root, hidden for the Python home), the checkout is bound
+    back at its path - the image would hold it elsewhere. File descriptor 9 keeps the hidden folder reachable (`mount -c`: not canonicalised to the new one)."""
     if not REPO_ROOT.is_relative_to(mount_path) or Path(mount_path) == REPO_ROOT:
         return mount
     return (f"exec 9<{REPO_ROOT} && {mount} && mkdir -p {REPO_ROOT} && "
